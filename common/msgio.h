@@ -1,0 +1,23 @@
+/*
+ * Message I/O on SOCK_SEQPACKET sockets: one datagram per call, with at
+ * most one file descriptor attached through SCM_RIGHTS. Both the daemon and
+ * the client library move every byte through here.
+ */
+#ifndef BB_MSGIO_H
+#define BB_MSGIO_H
+
+#include <stddef.h>
+#include <sys/types.h>
+
+/* Send one datagram of len bytes (len > 0 when fd >= 0: a 0-byte datagram
+ * loses its fd) with fd attached unless fd < 0. Never raises SIGPIPE.
+ * Returns len, or -errno (-EAGAIN on a full non-blocking socket). */
+ssize_t msgio_send(int sock, const void *buf, size_t len, int fd);
+
+/* Receive one datagram into buf (cap bytes). Returns its length (0 for an
+ * empty datagram or end of stream), or -errno. *fd_out gets an attached fd
+ * (close-on-exec) or -1; any further fds are closed. *truncated is set when
+ * the datagram was longer than cap or carried more than one fd. */
+ssize_t msgio_recv(int sock, void *buf, size_t cap, int *fd_out, int *truncated);
+
+#endif /* BB_MSGIO_H */

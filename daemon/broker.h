@@ -1,0 +1,192 @@
+/*
+ * The broker: buffers, per-connection reference tables, tokens, async
+ * states and limits, driven by plain function calls. No sockets, no libuv,
+ * no CUDA here: the I/O layers call in, and every rule is unit-tested
+ * without them.
+ *
+ * Rules (DESIGN.md, "The broker's rules"):
+ * - refs(buffer) = sum of connection counts + live tokens; at 0 the buffer
+ *   is freed at once (its backend memory returned, its name free again).
+ * - Alloc/import gives the caller's connection one reference, state PENDING.
+ * - SetReady/SetError move PENDING to READY/FAILED exactly once; allowed to
+ *   the producing connection (even after it took its last reference into a
+ *   token) and to any holder. Waiters wake on the change.
+ * - A producing connection that closes while its buffer is PENDING makes it
+ *   FAILED ("producer disconnected").
+ * - Closing a connection releases all its counts and drops its waiters;
+ *   tokens it made stay until adopted or expired (TTL), then release.
+ * - Take moves one reference into a single-use 128-bit token; Adopt moves it
+ *   to the adopter. Neither changes refs (Take with retain adds one).
+ * - Open, retain, stat and wait need the share policy to admit the caller
+ *   (or the caller to hold the buffer); a token admits anyone.
+ * - Limits: bytes and buffers per uid, connections, tokens per connection,
+ *   parked waits per connection.
+ *
+ * Every function that can fail returns 0 or a BB_ERR_* code and, on failure,
+ * writes a sentence into *err.
+ */
+#ifndef BB_BROKER_H
+#define BB_BROKER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "bufbroker/bufbroker.h"
+
+#define BROKER_ERR_LEN 256
+#define BROKER_KINDS 3 /* index by bb_kind; 0 unused */
+
+typedef struct broker broker;
+typedef struct broker_conn broker_conn;
+typedef struct broker_buf broker_buf;
+
+typedef struct broker_error {
+	char msg[BROKER_ERR_LEN];
+} broker_error;
+
+typedef struct broker_limits {
+	uint64_t uid_bytes[BROKER_KINDS]; /* bytes one uid may hold, per kind */
+	uint64_t uid_buffers;             /* live buffers one uid may own */
+	uint32_t connections;             /* open connections in all */
+	uint32_t conn_tokens;             /* live tokens one connection made */
+	uint32_t conn_waits;              /* parked waits per connection */
+	uint64_t token_ttl_ms;            /* an unadopted token releases after this */
+} broker_limits;
+
+typedef struct broker_config {
+	broker_limits limits;
+	/* Clock in milliseconds (monotonic). NULL: CLOCK_MONOTONIC. */
+	uint64_t (*now_ms)(void *ctx);
+	/* Fill n random bytes. NULL: getrandom(2). */
+	void (*random)(void *ctx, unsigned char *buf, size_t n);
+	void *ctx; /* passed to now_ms and random */
+} broker_config;
+
+/* A snapshot of one buffer, as Stat and List report it. */
+typedef struct broker_info {
+	uint64_t id;
+	uint64_t size;
+	bb_kind kind;
+	int device;
+	bb_state state;
+	uint64_t refs;
+	uint32_t tokens; /* live tokens */
+	uint32_t held;   /* the asking connection's count (0 if none) */
+	char name[BB_NAME_MAX + 1];
+	char error[256];
+	uint32_t owner_uid;
+	uint32_t owner_gid;
+	int share;
+	uint64_t age_ms;
+} broker_info;
+
+typedef struct broker_totals {
+	uint64_t buffers[BROKER_KINDS];
+	uint64_t bytes[BROKER_KINDS];
+	uint32_t connections;
+	uint64_t tokens;
+	uint64_t waits;
+} broker_totals;
+
+/* What Alloc and ImportFd ask for. */
+typedef struct broker_alloc_req {
+	uint64_t size;    /* > 0 */
+	bb_kind kind;
+	int device;
+	const char *name; /* NULL or "" = unnamed; at most BB_NAME_MAX bytes */
+	int share;        /* BB_SHARE_* */
+	int import_fd;    /* -1: allocate from the backend; else import this fd */
+} broker_alloc_req;
+
+/* A parked Wait. The caller owns the memory and embeds it in its own
+ * struct; wake is called once, from inside a broker call, when the buffer
+ * leaves PENDING (code 0, state and error set) or is freed (code
+ * BB_ERR_NOT_FOUND). After wake the broker no longer references it. */
+typedef struct broker_waiter broker_waiter;
+struct broker_waiter {
+	void (*wake)(broker_waiter *w, int code, bb_state state, const char *error);
+	broker_conn *conn;       /* set by broker_wait */
+	broker_buf *buf;         /* set by broker_wait; NULL once woken/cancelled */
+	broker_waiter *prev, *next; /* the buffer's waiter list */
+};
+
+/* Defaults that suit a GPU node: per-uid host bytes are half of physical
+ * memory, 65536 buffers per uid, 1024 connections, 4096 tokens and 1024
+ * waits per connection, 60 s token TTL. */
+void broker_limits_default(broker_limits *l);
+
+broker *broker_new(const broker_config *cfg);
+/* Frees every buffer (through the backends), token and connection. The
+ * backends themselves stay the caller's. */
+void broker_free(broker *b);
+/* The backend that serves kind (BB_HOST, BB_CUDA). NULL: that kind answers
+ * BB_ERR_UNSUPPORTED with unsupported_why as the message. */
+void broker_set_backend(broker *b, bb_kind kind, backend *be, const char *unsupported_why);
+/* Limits may change while running; they apply to later requests. */
+void broker_set_limits(broker *b, const broker_limits *l);
+const broker_limits *broker_get_limits(const broker *b);
+
+/* A new connection of a peer. NULL with err when the connection limit is
+ * reached. */
+broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pid, broker_error *err);
+/* Drops its waiters (without waking them), releases all its counts, fails
+ * the PENDING buffers it produced (waking their waiters), detaches its
+ * tokens (they live on) and frees conn. */
+void broker_conn_close(broker *b, broker_conn *conn);
+uint32_t broker_conn_uid(const broker_conn *conn);
+uint32_t broker_conn_pid(const broker_conn *conn);
+/* Buffers and bytes the connection holds at least one count on. */
+void broker_conn_holdings(const broker_conn *conn, uint64_t *buffers, uint64_t *bytes);
+
+/* A new buffer; conn gets one count. *out is valid until the next broker call. */
+int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, broker_buf **out,
+		 broker_error *err);
+/* One more count for conn on an existing buffer, by id or by name. */
+int broker_open_id(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, broker_error *err);
+int broker_open_name(broker *b, broker_conn *conn, const char *name, broker_buf **out,
+		     broker_error *err);
+/* count more (or fewer) counts for conn. Release of more than conn holds is
+ * BB_ERR_INVALID and changes nothing. *refs_out/held_out may be NULL. */
+int broker_retain(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
+		  uint32_t *held_out, broker_error *err);
+int broker_release(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
+		   uint32_t *held_out, broker_error *err);
+/* A token for one reference: retain false moves one of conn's counts into
+ * it, retain true adds a new reference. conn must hold the buffer. */
+int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
+		unsigned char token[BB_TOKEN_SIZE], broker_error *err);
+/* Move the token's reference to conn; the token is gone afterwards. */
+int broker_adopt(broker *b, broker_conn *conn, const unsigned char token[BB_TOKEN_SIZE],
+		 broker_buf **out, broker_error *err);
+int broker_set_ready(broker *b, broker_conn *conn, uint64_t id, broker_error *err);
+int broker_set_error(broker *b, broker_conn *conn, uint64_t id, const char *message,
+		     broker_error *err);
+/* Park w on buffer id. Returns 1 when the buffer is not PENDING (nothing
+ * parked; *state_out and error_out, 256 bytes, filled), 0 when parked, or an
+ * error. */
+int broker_wait(broker *b, broker_conn *conn, uint64_t id, broker_waiter *w, bb_state *state_out,
+		char *error_out, broker_error *err);
+/* Unpark a waiter that has not woken (timeout, connection closing). */
+void broker_wait_cancel(broker *b, broker_waiter *w);
+
+int broker_stat_id(broker *b, broker_conn *conn, uint64_t id, broker_info *out, broker_error *err);
+int broker_stat_name(broker *b, broker_conn *conn, const char *name, broker_info *out,
+		     broker_error *err);
+/* Calls fn for each live buffer conn may see (root: all), in id order,
+ * until fn returns non-zero. */
+void broker_list(broker *b, broker_conn *conn, int (*fn)(const broker_info *info, void *arg),
+		 void *arg);
+void broker_totals_get(broker *b, broker_totals *out);
+
+/* Release tokens whose TTL passed. Returns ms until the next one expires,
+ * or UINT64_MAX when no token is live. */
+uint64_t broker_expire_tokens(broker *b);
+
+/* Accessors for a buffer returned by alloc/open/adopt. */
+void broker_buf_info(broker *b, const broker_buf *buf, const broker_conn *conn, broker_info *out);
+/* The export of buf's memory from its backend. */
+int broker_buf_export(broker *b, const broker_buf *buf, backend_export *out, broker_error *err);
+
+#endif /* BB_BROKER_H */
