@@ -1,7 +1,9 @@
 /*
  * SOCK_SEQPACKET datagrams with an optional SCM_RIGHTS fd.
  */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include "msgio.h"
 
 #include <errno.h>

@@ -103,13 +103,15 @@ typedef struct broker_alloc_req {
 /* A parked Wait. The caller owns the memory and embeds it in its own
  * struct; wake is called once, from inside a broker call, when the buffer
  * leaves PENDING (code 0, state and error set) or is freed (code
- * BB_ERR_NOT_FOUND). After wake the broker no longer references it. */
+ * BB_ERR_NOT_FOUND). After wake the broker no longer references it. wake
+ * must not call back into the broker. */
 typedef struct broker_waiter broker_waiter;
 struct broker_waiter {
 	void (*wake)(broker_waiter *w, int code, bb_state state, const char *error);
 	broker_conn *conn;       /* set by broker_wait */
 	broker_buf *buf;         /* set by broker_wait; NULL once woken/cancelled */
-	broker_waiter *prev, *next; /* the buffer's waiter list */
+	broker_waiter *prev, *next;   /* the buffer's waiter list */
+	broker_waiter *cprev, *cnext; /* the connection's waiter list */
 };
 
 /* Defaults that suit a GPU node: per-uid host bytes are half of physical

@@ -1,0 +1,923 @@
+/*
+ * The broker's state machine: buffers, reference tables, tokens, states and
+ * limits. Pure: the only calls out are to the backends' vtables and to the
+ * configured clock and random source. See broker.h for the rules.
+ */
+#include "broker.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <uthash.h>
+#include <utlist.h>
+
+/* Per-uid usage, for the quotas. */
+typedef struct uid_usage {
+	uint32_t uid;
+	uint64_t bytes[BROKER_KINDS]; /* bytes of buffers this uid owns, per kind */
+	uint64_t buffers;             /* live buffers this uid owns */
+	UT_hash_handle hh;
+} uid_usage;
+
+/* One connection's count on one buffer. Present only while count > 0. */
+typedef struct holding {
+	uint64_t id;       /* key: the buffer's id */
+	broker_buf *buf;   /* the buffer */
+	uint32_t count;    /* this connection's references */
+	UT_hash_handle hh; /* in broker_conn.holdings */
+} holding;
+
+/* A live, unadopted token: one reference waiting for its adopter. */
+typedef struct token {
+	unsigned char bytes[BB_TOKEN_SIZE]; /* key: 128 random bits */
+	broker_buf *buf;                    /* the buffer it references */
+	broker_conn *maker;                 /* NULL once the maker closed */
+	uint64_t expires_ms;                /* when the reference is released */
+	struct token *prev, *next;          /* broker's FIFO, oldest first */
+	struct token *mprev, *mnext;        /* maker's list */
+	UT_hash_handle hh;                  /* in broker.tokens */
+} token;
+
+struct broker_buf {
+	uint64_t id;               /* never reused */
+	uint64_t size;             /* bytes */
+	bb_kind kind;              /* BB_HOST or BB_CUDA */
+	int device;                /* CUDA ordinal; 0 for host */
+	bb_state state;            /* PENDING until SetReady/SetError */
+	uint32_t owner_uid;        /* the allocating connection's uid */
+	uint32_t owner_gid;        /* ... and gid */
+	int share;                 /* BB_SHARE_* */
+	char *name;                /* NULL, or unique among live buffers */
+	char error[256];           /* SetError's message */
+	uint64_t refs;             /* sum of connection counts + live tokens */
+	uint32_t tokens;           /* live tokens */
+	uint64_t created_ms;       /* clock at creation */
+	backend *be;               /* the backend holding mem */
+	backend_mem mem;           /* the memory */
+	broker_conn *producer;     /* allocating connection while PENDING */
+	broker_buf *pprev, *pnext; /* producer's list of PENDING buffers */
+	broker_waiter *waiters;    /* parked waits */
+	UT_hash_handle hh;         /* in broker.by_id */
+	UT_hash_handle hh_name;    /* in broker.by_name when named */
+};
+
+struct broker_conn {
+	uint32_t uid, gid, pid;    /* SO_PEERCRED */
+	holding *holdings;         /* id -> count */
+	broker_buf *produced;      /* buffers it allocated, still PENDING */
+	token *tokens;             /* tokens it made that are live */
+	uint32_t ntokens;          /* length of tokens */
+	broker_waiter *waiters;    /* its parked waits */
+	uint32_t nwaits;           /* length of waiters */
+	broker_conn *prev, *next;  /* broker.conns */
+};
+
+struct broker {
+	broker_config cfg;                /* clock, random source */
+	broker_limits limits;             /* in force */
+	backend *be[BROKER_KINDS];        /* per kind; NULL = unsupported */
+	char why[BROKER_KINDS][160];      /* why a kind is unsupported */
+	broker_buf *by_id;                /* all live buffers, in id order */
+	broker_buf *by_name;              /* the named ones */
+	token *tokens;                    /* live tokens by value */
+	token *token_fifo;                /* live tokens, oldest first */
+	uid_usage *uids;                  /* usage per uid */
+	broker_conn *conns;               /* open connections */
+	uint32_t nconns;                  /* length of conns */
+	uint64_t next_id;                 /* next buffer id */
+	uint64_t ntokens;                 /* live tokens */
+	uint64_t nwaits;                  /* parked waits */
+	uint64_t buffers[BROKER_KINDS];   /* live buffers per kind */
+	uint64_t bytes[BROKER_KINDS];     /* their bytes */
+};
+
+static int fail(broker_error *err, int code, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+static int fail(broker_error *err, int code, const char *fmt, ...)
+{
+	if (err) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+		va_end(ap);
+	}
+	return code;
+}
+
+static const char *kind_name(bb_kind kind)
+{
+	return kind == BB_HOST ? "host" : kind == BB_CUDA ? "cuda" : "unknown";
+}
+
+/* "9.0 GiB": sizes in limit messages. */
+static const char *human(uint64_t n, char out[32])
+{
+	static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+	double v = (double)n;
+	int u = 0;
+	if (n < 1024) {
+		snprintf(out, 32, "%" PRIu64 " B", n);
+		return out;
+	}
+	while (v >= 1024 && u < 5) {
+		v /= 1024;
+		u++;
+	}
+	snprintf(out, 32, "%.1f %s", v, units[u]);
+	return out;
+}
+
+static uint64_t default_now_ms(void *ctx)
+{
+	(void)ctx;
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void default_random(void *ctx, unsigned char *buf, size_t n)
+{
+	(void)ctx;
+	size_t got = 0;
+	while (got < n) {
+		ssize_t r = getrandom(buf + got, n - got, 0);
+		if (r < 0) {
+			if (errno == EINTR)
+				continue;
+			/* getrandom only fails on kernels without it (< 3.17);
+			 * tokens must never be guessable, so stop here. */
+			abort();
+		}
+		got += (size_t)r;
+	}
+}
+
+static uint64_t now(broker *b)
+{
+	return b->cfg.now_ms(b->cfg.ctx);
+}
+
+void broker_limits_default(broker_limits *l)
+{
+	long pages = sysconf(_SC_PHYS_PAGES);
+	long page = sysconf(_SC_PAGESIZE);
+	uint64_t phys = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : (8ULL << 30);
+
+	memset(l, 0, sizeof(*l));
+	l->uid_bytes[BB_HOST] = phys / 2;
+	/* CUDA bytes are bounded per device by the device itself; per uid the
+	 * default is generous but finite. */
+	l->uid_bytes[BB_CUDA] = 1ULL << 40;
+	l->uid_buffers = 65536;
+	l->connections = 1024;
+	l->conn_tokens = 4096;
+	l->conn_waits = 1024;
+	l->token_ttl_ms = 60000;
+}
+
+broker *broker_new(const broker_config *cfg)
+{
+	broker *b = calloc(1, sizeof(*b));
+	if (!b)
+		return NULL;
+	if (cfg)
+		b->cfg = *cfg;
+	else
+		broker_limits_default(&b->cfg.limits);
+	if (!b->cfg.now_ms)
+		b->cfg.now_ms = default_now_ms;
+	if (!b->cfg.random)
+		b->cfg.random = default_random;
+	b->limits = b->cfg.limits;
+	b->next_id = 1;
+	for (int k = 0; k < BROKER_KINDS; k++)
+		snprintf(b->why[k], sizeof(b->why[k]), "buffers of kind %s are not supported",
+			 kind_name((bb_kind)k));
+	return b;
+}
+
+void broker_set_backend(broker *b, bb_kind kind, backend *be, const char *unsupported_why)
+{
+	if (kind <= 0 || kind >= BROKER_KINDS)
+		return;
+	b->be[kind] = be;
+	if (unsupported_why)
+		snprintf(b->why[kind], sizeof(b->why[kind]), "%s", unsupported_why);
+}
+
+void broker_set_limits(broker *b, const broker_limits *l)
+{
+	b->limits = *l;
+}
+
+const broker_limits *broker_get_limits(const broker *b)
+{
+	return &b->limits;
+}
+
+/* ---- buffers --------------------------------------------------------------- */
+
+static uid_usage *usage_of(broker *b, uint32_t uid, bool create)
+{
+	uid_usage *u;
+	HASH_FIND(hh, b->uids, &uid, sizeof(uid), u);
+	if (!u && create) {
+		u = calloc(1, sizeof(*u));
+		if (!u)
+			return NULL;
+		u->uid = uid;
+		HASH_ADD(hh, b->uids, uid, sizeof(uid), u);
+	}
+	return u;
+}
+
+static broker_buf *find_buf(broker *b, uint64_t id)
+{
+	broker_buf *buf;
+	HASH_FIND(hh, b->by_id, &id, sizeof(id), buf);
+	return buf;
+}
+
+static broker_buf *find_name(broker *b, const char *name)
+{
+	broker_buf *buf;
+	HASH_FIND(hh_name, b->by_name, name, strlen(name), buf);
+	return buf;
+}
+
+static holding *find_holding(const broker_conn *conn, uint64_t id)
+{
+	holding *h;
+	HASH_FIND(hh, conn->holdings, &id, sizeof(id), h);
+	return h;
+}
+
+/* Wake every waiter of buf with code/state, unlinking each first. */
+static void wake_all(broker *b, broker_buf *buf, int code)
+{
+	broker_waiter *w, *tmp;
+	DL_FOREACH_SAFE(buf->waiters, w, tmp) {
+		DL_DELETE(buf->waiters, w);
+		DL_DELETE2(w->conn->waiters, w, cprev, cnext);
+		w->conn->nwaits--;
+		b->nwaits--;
+		w->buf = NULL;
+		w->wake(w, code, buf->state, buf->error);
+	}
+}
+
+/* Leave PENDING: into READY or FAILED, waking waiters. */
+static void settle(broker *b, broker_buf *buf, bb_state state, const char *error)
+{
+	buf->state = state;
+	if (error)
+		snprintf(buf->error, sizeof(buf->error), "%s", error);
+	if (buf->producer) {
+		DL_DELETE2(buf->producer->produced, buf, pprev, pnext);
+		buf->producer = NULL;
+	}
+	wake_all(b, buf, 0);
+}
+
+/* refs reached 0: give the memory back and forget the buffer. */
+static void destroy(broker *b, broker_buf *buf)
+{
+	wake_all(b, buf, BB_ERR_NOT_FOUND);
+	if (buf->producer)
+		DL_DELETE2(buf->producer->produced, buf, pprev, pnext);
+	if (buf->name)
+		HASH_DELETE(hh_name, b->by_name, buf);
+	HASH_DELETE(hh, b->by_id, buf);
+	uid_usage *u = usage_of(b, buf->owner_uid, false);
+	if (u) {
+		u->bytes[buf->kind] -= buf->size;
+		u->buffers--;
+		if (u->buffers == 0) {
+			HASH_DELETE(hh, b->uids, u);
+			free(u);
+		}
+	}
+	b->buffers[buf->kind]--;
+	b->bytes[buf->kind] -= buf->size;
+	buf->be->free(buf->be, &buf->mem);
+	free(buf->name);
+	free(buf);
+}
+
+static void drop_refs(broker *b, broker_buf *buf, uint64_t n)
+{
+	buf->refs -= n;
+	if (buf->refs == 0)
+		destroy(b, buf);
+}
+
+/* Give conn count more references on buf (refs grows too when fresh). */
+static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, broker_error *err)
+{
+	holding *h = find_holding(conn, buf->id);
+	if (!h) {
+		h = calloc(1, sizeof(*h));
+		if (!h)
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		h->id = buf->id;
+		h->buf = buf;
+		HASH_ADD(hh, conn->holdings, id, sizeof(h->id), h);
+	}
+	if (h->count > UINT32_MAX - count)
+		return fail(err, BB_ERR_INVALID,
+			    "buffer %" PRIu64 ": the connection's count would overflow", buf->id);
+	h->count += count;
+	return 0;
+}
+
+/* Take count of conn's references away; the caller adjusts refs. */
+static void unhold(broker_conn *conn, holding *h, uint32_t count)
+{
+	h->count -= count;
+	if (h->count == 0) {
+		HASH_DELETE(hh, conn->holdings, h);
+		free(h);
+	}
+}
+
+/* Whether the share policy lets conn reach buf without holding it. */
+static bool admits(const broker_buf *buf, const broker_conn *conn)
+{
+	if (conn->uid == 0 || conn->uid == buf->owner_uid)
+		return true;
+	if (buf->share == BB_SHARE_ANY)
+		return true;
+	if (buf->share == BB_SHARE_GID && conn->gid == buf->owner_gid)
+		return true;
+	return false;
+}
+
+static bool may_see(const broker_buf *buf, const broker_conn *conn)
+{
+	return admits(buf, conn) || find_holding(conn, buf->id) || buf->producer == conn;
+}
+
+/* Find buffer id for conn, checking the policy. */
+static int reach(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, broker_error *err)
+{
+	broker_buf *buf = find_buf(b, id);
+	if (!buf)
+		return fail(err, BB_ERR_NOT_FOUND, "no buffer with id %" PRIu64, id);
+	if (!may_see(buf, conn))
+		return fail(err, BB_ERR_DENIED,
+			    "buffer %" PRIu64 " belongs to uid %u and is shared by %s; uid %u may not use it",
+			    id, buf->owner_uid,
+			    buf->share == BB_SHARE_GID ? "gid" : "uid", conn->uid);
+	*out = buf;
+	return 0;
+}
+
+static int check_name(const char *name, broker_error *err)
+{
+	size_t n = strlen(name);
+	if (n > BB_NAME_MAX)
+		return fail(err, BB_ERR_INVALID, "name is %zu bytes; the limit is %d", n, BB_NAME_MAX);
+	for (size_t i = 0; i < n; i++) {
+		unsigned char c = (unsigned char)name[i];
+		if (c < 0x20 || c == 0x7f)
+			return fail(err, BB_ERR_INVALID, "name contains a control character at byte %zu", i);
+	}
+	return 0;
+}
+
+int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, broker_buf **out,
+		 broker_error *err)
+{
+	const char *name = req->name && req->name[0] ? req->name : NULL;
+	char h1[32], h2[32];
+	int rc;
+
+	if (req->size == 0)
+		return fail(err, BB_ERR_INVALID, "size must be greater than 0");
+	if (req->kind != BB_HOST && req->kind != BB_CUDA)
+		return fail(err, BB_ERR_INVALID, "unknown buffer kind %d", (int)req->kind);
+	if (req->share < BB_SHARE_UID || req->share > BB_SHARE_ANY)
+		return fail(err, BB_ERR_INVALID, "unknown share policy %d", req->share);
+	if (req->device < 0 || (req->kind == BB_HOST && req->device != 0))
+		return fail(err, BB_ERR_INVALID, "device %d is not valid for %s buffers", req->device,
+			    kind_name(req->kind));
+	if (name && (rc = check_name(name, err)))
+		return rc;
+	backend *be = b->be[req->kind];
+	if (!be)
+		return fail(err, BB_ERR_UNSUPPORTED, "%s", b->why[req->kind]);
+	if (req->import_fd >= 0 && !be->import_fd)
+		return fail(err, BB_ERR_UNSUPPORTED, "buffers of kind %s cannot be imported from an fd",
+			    kind_name(req->kind));
+	if (name && find_name(b, name))
+		return fail(err, BB_ERR_EXISTS, "the name \"%s\" is taken by buffer %" PRIu64, name,
+			    find_name(b, name)->id);
+
+	uid_usage *u = usage_of(b, conn->uid, false);
+	uint64_t have_buffers = u ? u->buffers : 0;
+	uint64_t have_bytes = u ? u->bytes[req->kind] : 0;
+	if (have_buffers + 1 > b->limits.uid_buffers)
+		return fail(err, BB_ERR_NO_MEMORY,
+			    "uid %u would own %" PRIu64 " buffers; the limit is %" PRIu64, conn->uid,
+			    have_buffers + 1, b->limits.uid_buffers);
+	if (req->size > b->limits.uid_bytes[req->kind] ||
+	    have_bytes > b->limits.uid_bytes[req->kind] - req->size)
+		return fail(err, BB_ERR_NO_MEMORY, "uid %u would hold %s of %s buffers; the limit is %s",
+			    conn->uid, human(have_bytes + req->size, h1), kind_name(req->kind),
+			    human(b->limits.uid_bytes[req->kind], h2));
+
+	broker_buf *buf = calloc(1, sizeof(*buf));
+	if (!buf)
+		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	if (name && !(buf->name = strdup(name))) {
+		free(buf);
+		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	}
+	if (!(u = usage_of(b, conn->uid, true))) {
+		rc = fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		goto err_buf;
+	}
+	char msg[BROKER_ERR_LEN] = "";
+	if (req->import_fd >= 0)
+		rc = be->import_fd(be, req->import_fd, req->size, &buf->mem, msg, sizeof(msg));
+	else
+		rc = be->alloc(be, req->size, req->device, conn->uid, &buf->mem, msg, sizeof(msg));
+	if (rc) {
+		fail(err, rc, "%s", msg[0] ? msg : "the backend could not provide the memory");
+		goto err_usage;
+	}
+
+	buf->id = b->next_id++;
+	buf->size = req->size;
+	buf->kind = req->kind;
+	buf->device = req->device;
+	buf->state = BB_PENDING;
+	buf->owner_uid = conn->uid;
+	buf->owner_gid = conn->gid;
+	buf->share = req->share;
+	buf->created_ms = now(b);
+	buf->be = be;
+	if (hold(conn, buf, 1, err)) {
+		be->free(be, &buf->mem);
+		rc = BB_ERR_NO_MEMORY;
+		goto err_usage;
+	}
+	buf->refs = 1;
+	buf->producer = conn;
+	DL_APPEND2(conn->produced, buf, pprev, pnext);
+	HASH_ADD(hh, b->by_id, id, sizeof(buf->id), buf);
+	if (buf->name)
+		HASH_ADD_KEYPTR(hh_name, b->by_name, buf->name, strlen(buf->name), buf);
+	u->buffers++;
+	u->bytes[buf->kind] += buf->size;
+	b->buffers[buf->kind]++;
+	b->bytes[buf->kind] += buf->size;
+	*out = buf;
+	return 0;
+
+err_usage:
+	if (u->buffers == 0) {
+		HASH_DELETE(hh, b->uids, u);
+		free(u);
+	}
+err_buf:
+	free(buf->name);
+	free(buf);
+	return rc;
+}
+
+int broker_open_id(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, broker_error *err)
+{
+	broker_buf *buf;
+	int rc = reach(b, conn, id, &buf, err);
+	if (rc)
+		return rc;
+	if ((rc = hold(conn, buf, 1, err)))
+		return rc;
+	buf->refs++;
+	*out = buf;
+	return 0;
+}
+
+int broker_open_name(broker *b, broker_conn *conn, const char *name, broker_buf **out,
+		     broker_error *err)
+{
+	int rc;
+	if (!name || !name[0])
+		return fail(err, BB_ERR_INVALID, "an empty name names no buffer");
+	if ((rc = check_name(name, err)))
+		return rc;
+	broker_buf *buf = find_name(b, name);
+	if (!buf)
+		return fail(err, BB_ERR_NOT_FOUND, "no buffer named \"%s\"", name);
+	return broker_open_id(b, conn, buf->id, out, err);
+}
+
+int broker_retain(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
+		  uint32_t *held_out, broker_error *err)
+{
+	broker_buf *buf;
+	int rc;
+	if (count == 0)
+		return fail(err, BB_ERR_INVALID, "retain count must be at least 1");
+	if ((rc = reach(b, conn, id, &buf, err)))
+		return rc;
+	if ((rc = hold(conn, buf, count, err)))
+		return rc;
+	buf->refs += count;
+	if (refs_out)
+		*refs_out = buf->refs;
+	if (held_out)
+		*held_out = find_holding(conn, id)->count;
+	return 0;
+}
+
+int broker_release(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
+		   uint32_t *held_out, broker_error *err)
+{
+	if (count == 0)
+		return fail(err, BB_ERR_INVALID, "release count must be at least 1");
+	holding *h = find_holding(conn, id);
+	if (!h) {
+		if (find_buf(b, id))
+			return fail(err, BB_ERR_INVALID,
+				    "this connection holds no reference to buffer %" PRIu64, id);
+		return fail(err, BB_ERR_NOT_FOUND, "no buffer with id %" PRIu64, id);
+	}
+	if (count > h->count)
+		return fail(err, BB_ERR_INVALID,
+			    "cannot release %u references to buffer %" PRIu64
+			    "; this connection holds %u",
+			    count, id, h->count);
+	broker_buf *buf = h->buf;
+	uint32_t held = h->count - count;
+	uint64_t refs = buf->refs - count;
+	unhold(conn, h, count);
+	drop_refs(b, buf, count);
+	if (refs_out)
+		*refs_out = refs;
+	if (held_out)
+		*held_out = held;
+	return 0;
+}
+
+/* ---- tokens ---------------------------------------------------------------- */
+
+static void token_forget(broker *b, token *t)
+{
+	HASH_DELETE(hh, b->tokens, t);
+	DL_DELETE(b->token_fifo, t);
+	if (t->maker) {
+		DL_DELETE2(t->maker->tokens, t, mprev, mnext);
+		t->maker->ntokens--;
+	}
+	t->buf->tokens--;
+	b->ntokens--;
+	free(t);
+}
+
+int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
+		unsigned char out[BB_TOKEN_SIZE], broker_error *err)
+{
+	holding *h = find_holding(conn, id);
+	if (!h)
+		return fail(err, BB_ERR_NOT_FOUND,
+			    "this connection holds no buffer with id %" PRIu64, id);
+	if (conn->ntokens >= b->limits.conn_tokens)
+		return fail(err, BB_ERR_NO_MEMORY,
+			    "the connection would have %u live tokens; the limit is %u",
+			    conn->ntokens + 1, b->limits.conn_tokens);
+	token *t = calloc(1, sizeof(*t));
+	if (!t)
+		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	/* 128 random bits: a collision with a live token is as likely as
+	 * guessing one; still, never let two live tokens share a value. */
+	token *dup;
+	do {
+		b->cfg.random(b->cfg.ctx, t->bytes, sizeof(t->bytes));
+		HASH_FIND(hh, b->tokens, t->bytes, sizeof(t->bytes), dup);
+	} while (dup);
+
+	broker_buf *buf = h->buf;
+	t->buf = buf;
+	t->maker = conn;
+	t->expires_ms = now(b) + b->limits.token_ttl_ms;
+	HASH_ADD(hh, b->tokens, bytes, sizeof(t->bytes), t);
+	DL_APPEND(b->token_fifo, t);
+	DL_APPEND2(conn->tokens, t, mprev, mnext);
+	conn->ntokens++;
+	buf->tokens++;
+	b->ntokens++;
+	if (retain)
+		buf->refs++;
+	else
+		unhold(conn, h, 1); /* the reference moves; refs unchanged */
+	memcpy(out, t->bytes, sizeof(t->bytes));
+	return 0;
+}
+
+int broker_adopt(broker *b, broker_conn *conn, const unsigned char tok[BB_TOKEN_SIZE],
+		 broker_buf **out, broker_error *err)
+{
+	token *t;
+	HASH_FIND(hh, b->tokens, tok, BB_TOKEN_SIZE, t);
+	if (!t)
+		return fail(err, BB_ERR_NOT_FOUND, "no such token (already adopted, or expired)");
+	broker_buf *buf = t->buf;
+	if (now(b) >= t->expires_ms) {
+		token_forget(b, t);
+		drop_refs(b, buf, 1);
+		return fail(err, BB_ERR_NOT_FOUND, "the token expired");
+	}
+	int rc = hold(conn, buf, 1, err);
+	if (rc)
+		return rc;
+	token_forget(b, t); /* its reference is now conn's: refs unchanged */
+	*out = buf;
+	return 0;
+}
+
+uint64_t broker_expire_tokens(broker *b)
+{
+	uint64_t t_now = now(b);
+	while (b->token_fifo) {
+		token *t = b->token_fifo;
+		/* TTL may have shrunk since older tokens were made; the FIFO is
+		 * still ordered by creation, so scan only expired heads. */
+		if (t->expires_ms > t_now)
+			return t->expires_ms - t_now;
+		broker_buf *buf = t->buf;
+		token_forget(b, t);
+		drop_refs(b, buf, 1);
+	}
+	return UINT64_MAX;
+}
+
+/* ---- async state ------------------------------------------------------------ */
+
+static int settle_check(broker *b, broker_conn *conn, uint64_t id, broker_buf **out,
+			broker_error *err)
+{
+	broker_buf *buf = find_buf(b, id);
+	if (!buf)
+		return fail(err, BB_ERR_NOT_FOUND, "no buffer with id %" PRIu64, id);
+	if (buf->producer != conn && !find_holding(conn, id))
+		return fail(err, BB_ERR_DENIED,
+			    "only the producer or a holder may change buffer %" PRIu64 "'s state", id);
+	if (buf->state != BB_PENDING)
+		return fail(err, BB_ERR_STATE, "buffer %" PRIu64 " is already %s", id,
+			    buf->state == BB_READY ? "ready" : "failed");
+	*out = buf;
+	return 0;
+}
+
+int broker_set_ready(broker *b, broker_conn *conn, uint64_t id, broker_error *err)
+{
+	broker_buf *buf;
+	int rc = settle_check(b, conn, id, &buf, err);
+	if (rc)
+		return rc;
+	settle(b, buf, BB_READY, NULL);
+	return 0;
+}
+
+int broker_set_error(broker *b, broker_conn *conn, uint64_t id, const char *message,
+		     broker_error *err)
+{
+	broker_buf *buf;
+	int rc = settle_check(b, conn, id, &buf, err);
+	if (rc)
+		return rc;
+	settle(b, buf, BB_FAILED, message && message[0] ? message : "failed");
+	return 0;
+}
+
+int broker_wait(broker *b, broker_conn *conn, uint64_t id, broker_waiter *w, bb_state *state_out,
+		char *error_out, broker_error *err)
+{
+	broker_buf *buf;
+	int rc = reach(b, conn, id, &buf, err);
+	if (rc)
+		return rc;
+	if (buf->state != BB_PENDING) {
+		*state_out = buf->state;
+		snprintf(error_out, 256, "%s", buf->error);
+		return 1;
+	}
+	if (conn->nwaits >= b->limits.conn_waits)
+		return fail(err, BB_ERR_NO_MEMORY,
+			    "the connection would have %u parked waits; the limit is %u",
+			    conn->nwaits + 1, b->limits.conn_waits);
+	w->conn = conn;
+	w->buf = buf;
+	DL_APPEND(buf->waiters, w);
+	DL_APPEND2(conn->waiters, w, cprev, cnext);
+	conn->nwaits++;
+	b->nwaits++;
+	return 0;
+}
+
+void broker_wait_cancel(broker *b, broker_waiter *w)
+{
+	if (!w->buf)
+		return;
+	DL_DELETE(w->buf->waiters, w);
+	DL_DELETE2(w->conn->waiters, w, cprev, cnext);
+	w->conn->nwaits--;
+	b->nwaits--;
+	w->buf = NULL;
+}
+
+/* ---- connections ------------------------------------------------------------ */
+
+broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pid,
+			      broker_error *err)
+{
+	if (b->nconns >= b->limits.connections) {
+		fail(err, BB_ERR_NO_MEMORY, "%u connections are open; the limit is %u", b->nconns,
+		     b->limits.connections);
+		return NULL;
+	}
+	broker_conn *conn = calloc(1, sizeof(*conn));
+	if (!conn) {
+		fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		return NULL;
+	}
+	conn->uid = uid;
+	conn->gid = gid;
+	conn->pid = pid;
+	DL_APPEND(b->conns, conn);
+	b->nconns++;
+	return conn;
+}
+
+void broker_conn_close(broker *b, broker_conn *conn)
+{
+	broker_waiter *w, *wtmp;
+	DL_FOREACH_SAFE2(conn->waiters, w, wtmp, cnext)
+		broker_wait_cancel(b, w);
+
+	/* Fail what it was producing before its references go, so that other
+	 * holders' waiters learn why rather than finding the buffer gone. */
+	broker_buf *buf, *btmp;
+	DL_FOREACH_SAFE2(conn->produced, buf, btmp, pnext)
+		settle(b, buf, BB_FAILED, "producer disconnected");
+
+	token *t, *ttmp;
+	DL_FOREACH_SAFE2(conn->tokens, t, ttmp, mnext) {
+		DL_DELETE2(conn->tokens, t, mprev, mnext);
+		t->maker = NULL;
+	}
+
+	holding *h, *htmp;
+	HASH_ITER(hh, conn->holdings, h, htmp) {
+		broker_buf *hb = h->buf;
+		uint32_t n = h->count;
+		HASH_DELETE(hh, conn->holdings, h);
+		free(h);
+		drop_refs(b, hb, n);
+	}
+	DL_DELETE(b->conns, conn);
+	b->nconns--;
+	free(conn);
+}
+
+uint32_t broker_conn_uid(const broker_conn *conn)
+{
+	return conn->uid;
+}
+
+uint32_t broker_conn_pid(const broker_conn *conn)
+{
+	return conn->pid;
+}
+
+void broker_conn_holdings(const broker_conn *conn, uint64_t *buffers, uint64_t *bytes)
+{
+	uint64_t n = 0, sz = 0;
+	for (const holding *h = conn->holdings; h; h = h->hh.next) {
+		n++;
+		sz += h->buf->size;
+	}
+	*buffers = n;
+	*bytes = sz;
+}
+
+/* ---- reporting -------------------------------------------------------------- */
+
+void broker_buf_info(broker *b, const broker_buf *buf, const broker_conn *conn, broker_info *out)
+{
+	memset(out, 0, sizeof(*out));
+	out->id = buf->id;
+	out->size = buf->size;
+	out->kind = buf->kind;
+	out->device = buf->device;
+	out->state = buf->state;
+	out->refs = buf->refs;
+	out->tokens = buf->tokens;
+	if (conn) {
+		const holding *h = find_holding(conn, buf->id);
+		out->held = h ? h->count : 0;
+	}
+	snprintf(out->name, sizeof(out->name), "%s", buf->name ? buf->name : "");
+	snprintf(out->error, sizeof(out->error), "%s", buf->error);
+	out->owner_uid = buf->owner_uid;
+	out->owner_gid = buf->owner_gid;
+	out->share = buf->share;
+	out->age_ms = now(b) - buf->created_ms;
+}
+
+int broker_buf_export(broker *b, const broker_buf *buf, backend_export *out, broker_error *err)
+{
+	(void)b;
+	char msg[BROKER_ERR_LEN] = "";
+	memset(out, 0, sizeof(*out));
+	out->fd = -1;
+	int rc = buf->be->export_mem(buf->be, &buf->mem, out, msg, sizeof(msg));
+	if (rc)
+		return fail(err, rc, "%s", msg[0] ? msg : "the backend could not export the buffer");
+	return 0;
+}
+
+int broker_stat_id(broker *b, broker_conn *conn, uint64_t id, broker_info *out, broker_error *err)
+{
+	broker_buf *buf;
+	int rc = reach(b, conn, id, &buf, err);
+	if (rc)
+		return rc;
+	broker_buf_info(b, buf, conn, out);
+	return 0;
+}
+
+int broker_stat_name(broker *b, broker_conn *conn, const char *name, broker_info *out,
+		     broker_error *err)
+{
+	if (!name || !name[0])
+		return fail(err, BB_ERR_INVALID, "an empty name names no buffer");
+	broker_buf *buf = find_name(b, name);
+	if (!buf)
+		return fail(err, BB_ERR_NOT_FOUND, "no buffer named \"%s\"", name);
+	return broker_stat_id(b, conn, buf->id, out, err);
+}
+
+void broker_list(broker *b, broker_conn *conn, int (*fn)(const broker_info *info, void *arg),
+		 void *arg)
+{
+	broker_info info;
+	for (broker_buf *buf = b->by_id; buf; buf = buf->hh.next) {
+		if (!may_see(buf, conn))
+			continue;
+		broker_buf_info(b, buf, conn, &info);
+		if (fn(&info, arg))
+			break;
+	}
+}
+
+void broker_totals_get(broker *b, broker_totals *out)
+{
+	memset(out, 0, sizeof(*out));
+	for (int k = 0; k < BROKER_KINDS; k++) {
+		out->buffers[k] = b->buffers[k];
+		out->bytes[k] = b->bytes[k];
+	}
+	out->connections = b->nconns;
+	out->tokens = b->ntokens;
+	out->waits = b->nwaits;
+}
+
+void broker_free(broker *b)
+{
+	if (!b)
+		return;
+	/* Connections first: their waiters and holdings go, and buffers that
+	 * only they held are freed. Then tokens, which free the rest. */
+	while (b->conns)
+		broker_conn_close(b, b->conns);
+	while (b->token_fifo) {
+		token *t = b->token_fifo;
+		broker_buf *buf = t->buf;
+		token_forget(b, t);
+		drop_refs(b, buf, 1);
+	}
+	/* Nothing can remain; if accounting were wrong, free what is left
+	 * rather than leak it. */
+	broker_buf *buf, *tmp;
+	HASH_ITER(hh, b->by_id, buf, tmp) {
+		buf->refs = 1;
+		drop_refs(b, buf, 1);
+	}
+	uid_usage *u, *utmp;
+	HASH_ITER(hh, b->uids, u, utmp) {
+		HASH_DELETE(hh, b->uids, u);
+		free(u);
+	}
+	free(b);
+}

@@ -1,0 +1,285 @@
+/*
+ * Handle a single client connection: read one datagram per readiness
+ * event, decode it, hand it to the request layer, and send responses,
+ * queueing them when the socket is full. Bad input is answered with a
+ * Status and, where the stream can no longer be trusted, the connection is
+ * closed; nothing a client sends can stop the loop or reach another client.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include <utlist.h>
+
+#include "log.h"
+#include "msgio.h"
+#include "server.h"
+#include "wire.h"
+
+void conn_doom(conn *c, const char *why)
+{
+	if (c->doomed || c->closed)
+		return;
+	c->doomed = true;
+	c->why = why;
+	/* No more reading: nothing from a doomed connection is acted on. */
+	uv_poll_stop(&c->poll);
+	c->doomed_next = c->srv->doomed;
+	c->srv->doomed = c;
+}
+
+static void update_poll(conn *c);
+
+/* Queue a packed response that the socket did not take. */
+static void enqueue(conn *c, const unsigned char *data, size_t len, int fd)
+{
+	if (c->out_bytes + len > c->srv->cfg.queue_bytes) {
+		log_warn("event=output_overflow conn=%llu uid=%u pid=%u queued=%llu limit=%llu",
+			 (unsigned long long)c->serial, c->uid, c->pid,
+			 (unsigned long long)c->out_bytes, (unsigned long long)c->srv->cfg.queue_bytes);
+		conn_doom(c, "client stopped reading its responses");
+		return;
+	}
+	outmsg *m = malloc(sizeof(*m) + len);
+	if (!m) {
+		conn_doom(c, "daemon out of memory");
+		return;
+	}
+	m->next = NULL;
+	m->len = len;
+	m->fd = -1;
+	if (fd >= 0 && (m->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0) {
+		free(m);
+		conn_doom(c, "could not duplicate a response fd");
+		return;
+	}
+	memcpy(m->data, data, len);
+	if (c->out_tail)
+		c->out_tail->next = m;
+	else
+		c->out_head = m;
+	c->out_tail = m;
+	c->out_bytes += len;
+	update_poll(c);
+}
+
+static void send_packed(conn *c, const unsigned char *data, size_t len, int fd)
+{
+	if (c->doomed || c->closed)
+		return;
+	if (!c->out_head) {
+		ssize_t n = msgio_send(c->fd, data, len, fd);
+		if (n >= 0)
+			return;
+		if (n != -EAGAIN) {
+			/* EPIPE / ECONNRESET: the peer is gone; reading will
+			 * see the end of stream, close from here regardless. */
+			conn_doom(c, "peer gone while sending");
+			return;
+		}
+	}
+	enqueue(c, data, len, fd);
+}
+
+void conn_send(conn *c, const Bufbroker__Response *r, int fd)
+{
+	size_t len = bufbroker__response__get_packed_size(r);
+	if (len > c->srv->cfg.max_datagram) {
+		/* The handler keeps every response within the limit; if one
+		 * ever is not, say so rather than send what the peer rejects. */
+		log_error("event=response_too_large conn=%llu bytes=%zu", (unsigned long long)c->serial,
+			  len);
+		conn_send_status(c, r->id, BB_ERR_SYSTEM, "response too large for one datagram");
+		return;
+	}
+	bufbroker__response__pack(r, c->srv->sbuf);
+	/* An empty response never carries an fd (it would be lost), and every
+	 * response has a Status, so len > 0 here. */
+	send_packed(c, c->srv->sbuf, len, fd);
+}
+
+void conn_send_status(conn *c, uint64_t req_id, int code, const char *msg)
+{
+	Bufbroker__Response r = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
+	st.code = code;
+	st.message = (char *)(msg ? msg : "");
+	r.id = req_id;
+	r.status = &st;
+	conn_send(c, &r, -1);
+}
+
+static void flush(conn *c)
+{
+	while (c->out_head) {
+		outmsg *m = c->out_head;
+		ssize_t n = msgio_send(c->fd, m->data, m->len, m->fd);
+		if (n == -EAGAIN)
+			return;
+		if (n < 0) {
+			conn_doom(c, "peer gone while sending");
+			return;
+		}
+		c->out_head = m->next;
+		if (!c->out_head)
+			c->out_tail = NULL;
+		c->out_bytes -= m->len;
+		if (m->fd >= 0)
+			close(m->fd);
+		free(m);
+	}
+	update_poll(c);
+}
+
+static void on_io(uv_poll_t *p, int status, int events);
+
+/* Read while nothing is queued; while output is queued, wait for the
+ * socket to drain and stop reading: backpressure, so a client that floods
+ * requests without reading answers is slowed, never buffered unboundedly. */
+static void update_poll(conn *c)
+{
+	if (c->doomed || c->closed)
+		return;
+	int ev = c->out_head ? UV_WRITABLE | UV_DISCONNECT : UV_READABLE | UV_DISCONNECT;
+	uv_poll_start(&c->poll, ev, on_io);
+}
+
+static void protocol_error(conn *c, uint64_t id, const char *msg, bool close_after)
+{
+	log_warn("event=protocol_error conn=%llu uid=%u pid=%u error=\"%s\"%s",
+		 (unsigned long long)c->serial, c->uid, c->pid, msg, close_after ? " action=close" : "");
+	conn_send_status(c, id, BB_ERR_PROTOCOL, msg);
+	if (close_after)
+		conn_doom(c, msg);
+}
+
+static void read_one(conn *c, int events)
+{
+	server *s = c->srv;
+	int fd = -1, truncated = 0;
+	ssize_t n = msgio_recv(c->fd, s->rbuf, (size_t)s->cfg.max_datagram + 1, &fd, &truncated);
+	if (n == -EAGAIN)
+		return;
+	if (n < 0) {
+		conn_doom(c, "receive failed");
+		return;
+	}
+	if (n == 0 && fd < 0 && (events & UV_DISCONNECT)) {
+		conn_doom(c, "peer closed");
+		return;
+	}
+	if (truncated || (size_t)n > s->cfg.max_datagram) {
+		if (fd >= 0)
+			close(fd);
+		char msg[96];
+		snprintf(msg, sizeof(msg), "datagram larger than %u bytes, or with more than one fd",
+			 s->cfg.max_datagram);
+		protocol_error(c, 0, msg, true);
+		return;
+	}
+	if (n == 0) {
+		if (fd >= 0)
+			close(fd);
+		protocol_error(c, 0, "empty datagram", false);
+		return;
+	}
+	Bufbroker__Request *req = bufbroker__request__unpack(NULL, (size_t)n, s->rbuf);
+	if (!req) {
+		if (fd >= 0)
+			close(fd);
+		char msg[96];
+		snprintf(msg, sizeof(msg), "could not decode request (%zd bytes)", n);
+		protocol_error(c, 0, msg, true);
+		return;
+	}
+	handler_request(c, req, fd);
+	bufbroker__request__free_unpacked(req, NULL);
+}
+
+static void on_io(uv_poll_t *p, int status, int events)
+{
+	conn *c = p->data;
+	if (c->doomed || c->closed)
+		return;
+	if (status < 0) {
+		conn_doom(c, uv_strerror(status));
+		return;
+	}
+	if (events & UV_WRITABLE) {
+		flush(c);
+		return;
+	}
+	if (events & UV_READABLE) {
+		read_one(c, events);
+		return;
+	}
+	/* UV_DISCONNECT alone: nothing left to read. */
+	conn_doom(c, "peer closed");
+}
+
+/* ---- lifecycle (called by server.c) ------------------------------------------ */
+
+static void on_closed(uv_handle_t *h)
+{
+	conn *c = h->data;
+	close(c->fd);
+	while (c->out_head) {
+		outmsg *m = c->out_head;
+		c->out_head = m->next;
+		if (m->fd >= 0)
+			close(m->fd);
+		free(m);
+	}
+	free(c);
+}
+
+/* Start serving an accepted socket. */
+conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid);
+conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
+{
+	conn *c = calloc(1, sizeof(*c));
+	if (!c)
+		return NULL;
+	c->fd = fd;
+	c->srv = s;
+	c->serial = ++s->next_serial;
+	c->uid = uid;
+	c->gid = gid;
+	c->pid = pid;
+	if (uv_poll_init(s->loop, &c->poll, fd) < 0) {
+		free(c);
+		return NULL;
+	}
+	c->poll.data = c;
+	DL_APPEND(s->conns, c);
+	uv_poll_start(&c->poll, UV_READABLE | UV_DISCONNECT, on_io);
+	return c;
+}
+
+/* Release everything the connection held and close it. */
+void conn_close(conn *c);
+void conn_close(conn *c)
+{
+	server *s = c->srv;
+	if (c->closed)
+		return;
+	c->closed = true;
+	handler_drop_waits(c);
+	if (c->bc) {
+		uint64_t buffers, bytes;
+		broker_conn_holdings(c->bc, &buffers, &bytes);
+		broker_conn_close(s->b, c->bc);
+		c->bc = NULL;
+		log_info("event=connection_closed conn=%llu uid=%u pid=%u client=\"%s\" released_buffers=%llu "
+			 "released_bytes=%llu reason=\"%s\"",
+			 (unsigned long long)c->serial, c->uid, c->pid, c->name,
+			 (unsigned long long)buffers, (unsigned long long)bytes,
+			 c->why ? c->why : "daemon stopping");
+		server_tokens_changed(s);
+	}
+	DL_DELETE(s->conns, c);
+	uv_poll_stop(&c->poll);
+	uv_close((uv_handle_t *)&c->poll, on_closed);
+}

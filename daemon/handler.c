@@ -1,0 +1,625 @@
+/*
+ * The request layer: turn one decoded Request into broker calls and one
+ * Response (or none, for no_reply requests; or later, for a parked Wait).
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <utlist.h>
+
+#include "log.h"
+#include "server.h"
+#include "wire.h"
+
+/* The request being answered. */
+typedef struct req_ctx {
+	conn *c;         /* who asked */
+	uint64_t id;     /* Request.id */
+	bool quiet;      /* Request.no_reply */
+	const char *op;  /* op name, for logs */
+} req_ctx;
+
+static const char *code_name(int code)
+{
+	switch (code) {
+	case BB_OK: return "OK";
+	case BB_ERR_INVALID: return "INVALID";
+	case BB_ERR_NOT_FOUND: return "NOT_FOUND";
+	case BB_ERR_DENIED: return "DENIED";
+	case BB_ERR_NO_MEMORY: return "NO_MEMORY";
+	case BB_ERR_TIMEOUT: return "TIMEOUT";
+	case BB_ERR_DISCONNECTED: return "DISCONNECTED";
+	case BB_ERR_PROTOCOL: return "PROTOCOL";
+	case BB_ERR_FAILED: return "FAILED";
+	case BB_ERR_UNSUPPORTED: return "UNSUPPORTED";
+	case BB_ERR_STATE: return "STATE";
+	case BB_ERR_EXISTS: return "EXISTS";
+	case BB_ERR_SYSTEM: return "SYSTEM";
+	default: return "UNKNOWN";
+	}
+}
+
+static void reply_error(req_ctx *r, int code, const char *msg)
+{
+	conn *c = r->c;
+	if (code != BB_ERR_TIMEOUT)
+		log_info("event=request_failed conn=%llu uid=%u pid=%u op=%s code=%s error=\"%s\"",
+			 (unsigned long long)c->serial, c->uid, c->pid, r->op, code_name(code), msg);
+	if (!r->quiet)
+		conn_send_status(c, r->id, code, msg);
+}
+
+static void reply(req_ctx *r, Bufbroker__Response *resp, int fd)
+{
+	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
+	if (r->quiet)
+		return;
+	st.message = "";
+	resp->id = r->id;
+	resp->status = &st;
+	conn_send(r->c, resp, fd);
+}
+
+static void reply_ok(req_ctx *r)
+{
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	reply(r, &resp, -1);
+}
+
+static void fill_info(Bufbroker__BufferInfo *bi, const broker_info *in)
+{
+	bufbroker__buffer_info__init(bi);
+	bi->id = in->id;
+	bi->size = in->size;
+	bi->kind = (Bufbroker__Kind)in->kind;
+	bi->device = in->device;
+	bi->state = (Bufbroker__State)in->state;
+	bi->refs = in->refs;
+	bi->name = (char *)in->name;
+	bi->error = (char *)in->error;
+	bi->owner_uid = in->owner_uid;
+	bi->owner_gid = in->owner_gid;
+	bi->share = (uint32_t)in->share;
+	bi->tokens = in->tokens;
+	bi->age_ms = in->age_ms;
+	bi->held = in->held;
+}
+
+/* Answer with a Grant for buf, the memory's fd attached. */
+static void grant(req_ctx *r, broker_buf *buf)
+{
+	server *s = r->c->srv;
+	broker_info info;
+	backend_export ex;
+	broker_error err;
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__Grant g = BUFBROKER__GRANT__INIT;
+	Bufbroker__BufferInfo bi;
+
+	broker_buf_info(s->b, buf, r->c->bc, &info);
+	int rc = broker_buf_export(s->b, buf, &ex, &err);
+	if (rc) {
+		/* The caller got a count it will never learn of: give it back. */
+		broker_release(s->b, r->c->bc, info.id, 1, NULL, NULL, NULL);
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	fill_info(&bi, &info);
+	g.info = &bi;
+	if (ex.has_ipc) {
+		g.ipc_handle.data = ex.ipc_handle;
+		g.ipc_handle.len = sizeof(ex.ipc_handle);
+		g.offset = ex.offset;
+		g.device_uuid.data = ex.device_uuid;
+		g.device_uuid.len = sizeof(ex.device_uuid);
+		g.allocation = ex.allocation;
+	}
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_GRANT;
+	resp.grant = &g;
+	reply(r, &resp, ex.fd);
+}
+
+static void refs_reply(req_ctx *r, uint64_t refs, uint32_t held)
+{
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__RefsReply rr = BUFBROKER__REFS_REPLY__INIT;
+	rr.refs = refs;
+	rr.held = held;
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_REFS;
+	resp.refs = &rr;
+	reply(r, &resp, -1);
+}
+
+/* ---- ops --------------------------------------------------------------------- */
+
+static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
+{
+	conn *c = r->c;
+	char msg[160];
+	if (c->hello) {
+		reply_error(r, BB_ERR_PROTOCOL, "Hello was already sent on this connection");
+		return;
+	}
+	if (h->version_major != BB_PROTO_MAJOR) {
+		snprintf(msg, sizeof(msg),
+			 "protocol version %u.%u is not supported; this daemon speaks %d.%d",
+			 h->version_major, h->version_minor, BB_PROTO_MAJOR, BB_PROTO_MINOR);
+		reply_error(r, BB_ERR_PROTOCOL, msg);
+		conn_doom(c, "protocol version mismatch");
+		return;
+	}
+	c->hello = true;
+	snprintf(c->name, sizeof(c->name), "%s", h->client_name ? h->client_name : "");
+	/* Keep log lines parseable: no quotes or control characters. */
+	for (char *p = c->name; *p; p++)
+		if ((unsigned char)*p < 0x20 || *p == '"' || *p == '\\')
+			*p = '?';
+	log_debug("event=hello conn=%llu uid=%u pid=%u client=\"%s\" version=%u.%u",
+		  (unsigned long long)c->serial, c->uid, c->pid, c->name, h->version_major,
+		  h->version_minor);
+
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__HelloReply hr = BUFBROKER__HELLO_REPLY__INIT;
+	hr.version_major = BB_PROTO_MAJOR;
+	hr.version_minor = BB_PROTO_MINOR;
+	hr.server_version = BB_VERSION_STRING;
+	hr.uid = c->uid;
+	hr.gid = c->gid;
+	hr.pid = c->pid;
+	hr.max_datagram = c->srv->cfg.max_datagram;
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_HELLO;
+	resp.hello = &hr;
+	reply(r, &resp, -1);
+}
+
+static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
+		     uint32_t share, int fd)
+{
+	server *s = r->c->srv;
+	broker_error err;
+	broker_buf *buf;
+	broker_alloc_req req = {
+		.size = size,
+		.kind = (bb_kind)kind,
+		.device = device,
+		.name = name,
+		.share = share > BB_SHARE_ANY ? -1 : (int)share,
+		.import_fd = fd,
+	};
+	int rc = broker_alloc(s->b, r->c->bc, &req, &buf, &err);
+	if (rc) {
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	log_debug("event=alloc conn=%llu uid=%u size=%" PRIu64 " imported=%d",
+		  (unsigned long long)r->c->serial, r->c->uid, size, fd >= 0);
+	grant(r, buf);
+}
+
+static void do_open(req_ctx *r, const Bufbroker__Open *o)
+{
+	server *s = r->c->srv;
+	broker_error err;
+	broker_buf *buf;
+	int rc;
+	if (o->target_case == BUFBROKER__OPEN__TARGET_NAME)
+		rc = broker_open_name(s->b, r->c->bc, o->name, &buf, &err);
+	else if (o->target_case == BUFBROKER__OPEN__TARGET_ID)
+		rc = broker_open_id(s->b, r->c->bc, o->id, &buf, &err);
+	else
+		rc = BB_ERR_INVALID, snprintf(err.msg, sizeof(err.msg), "Open needs an id or a name");
+	if (rc) {
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	grant(r, buf);
+}
+
+static void do_refs(req_ctx *r, uint64_t id, uint32_t count, bool retain)
+{
+	server *s = r->c->srv;
+	broker_error err;
+	uint64_t refs = 0;
+	uint32_t held = 0;
+	int rc = retain ? broker_retain(s->b, r->c->bc, id, count, &refs, &held, &err)
+			: broker_release(s->b, r->c->bc, id, count, &refs, &held, &err);
+	if (rc) {
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	refs_reply(r, refs, held);
+}
+
+static void do_take(req_ctx *r, const Bufbroker__Take *t)
+{
+	server *s = r->c->srv;
+	broker_error err;
+	unsigned char tok[BB_TOKEN_SIZE];
+	int rc = broker_take(s->b, r->c->bc, t->id, t->retain, tok, &err);
+	if (rc) {
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	server_tokens_changed(s);
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__TakeReply tr = BUFBROKER__TAKE_REPLY__INIT;
+	tr.token.data = tok;
+	tr.token.len = sizeof(tok);
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_TAKE;
+	resp.take = &tr;
+	reply(r, &resp, -1);
+}
+
+static void do_adopt(req_ctx *r, const Bufbroker__Adopt *a)
+{
+	server *s = r->c->srv;
+	broker_error err;
+	broker_buf *buf;
+	if (a->token.len != BB_TOKEN_SIZE) {
+		char msg[64];
+		snprintf(msg, sizeof(msg), "a token is %d bytes, not %zu", BB_TOKEN_SIZE, a->token.len);
+		reply_error(r, BB_ERR_INVALID, msg);
+		return;
+	}
+	int rc = broker_adopt(s->b, r->c->bc, a->token.data, &buf, &err);
+	server_tokens_changed(s);
+	if (rc) {
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	grant(r, buf);
+}
+
+static void do_settle(req_ctx *r, uint64_t id, const char *error)
+{
+	server *s = r->c->srv;
+	broker_error err;
+	int rc = error ? broker_set_error(s->b, r->c->bc, id, error, &err)
+		       : broker_set_ready(s->b, r->c->bc, id, &err);
+	if (rc) {
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	reply_ok(r);
+}
+
+/* ---- Wait ------------------------------------------------------------------- */
+
+static void wait_reply(conn *c, uint64_t req_id, bb_state state, const char *error)
+{
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
+	Bufbroker__WaitReply wr = BUFBROKER__WAIT_REPLY__INIT;
+	st.message = "";
+	wr.state = (Bufbroker__State)state;
+	wr.error = (char *)(error ? error : "");
+	resp.id = req_id;
+	resp.status = &st;
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_WAIT;
+	resp.wait = &wr;
+	conn_send(c, &resp, -1);
+}
+
+static void wait_free_cb(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+/* Unlink pw from its connection and free it (after its timer closes). */
+static void wait_dispose(parked_wait *pw)
+{
+	DL_DELETE(pw->c->waits, pw);
+	if (pw->has_timer) {
+		uv_timer_stop(&pw->timer);
+		uv_close((uv_handle_t *)&pw->timer, wait_free_cb);
+	} else {
+		free(pw);
+	}
+}
+
+static void on_wake(broker_waiter *w, int code, bb_state state, const char *error)
+{
+	parked_wait *pw = (parked_wait *)w;
+	if (code == 0)
+		wait_reply(pw->c, pw->req_id, state, error);
+	else
+		conn_send_status(pw->c, pw->req_id, code, "the buffer was freed while waiting");
+	wait_dispose(pw);
+}
+
+static void on_wait_timeout(uv_timer_t *t)
+{
+	parked_wait *pw = t->data;
+	server *s = pw->c->srv;
+	broker_wait_cancel(s->b, &pw->w);
+	conn_send_status(pw->c, pw->req_id, BB_ERR_TIMEOUT, "the buffer is still pending");
+	wait_dispose(pw);
+}
+
+static void do_wait(req_ctx *r, const Bufbroker__Wait *wq)
+{
+	conn *c = r->c;
+	server *s = c->srv;
+	broker_error err;
+	bb_state state;
+	char error[256];
+	if (r->quiet) {
+		reply_error(r, BB_ERR_INVALID, "Wait cannot be no_reply");
+		return;
+	}
+	parked_wait *pw = calloc(1, sizeof(*pw));
+	if (!pw) {
+		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
+		return;
+	}
+	pw->w.wake = on_wake;
+	pw->c = c;
+	pw->req_id = r->id;
+	int rc = broker_wait(s->b, c->bc, wq->id, &pw->w, &state, error, &err);
+	if (rc < 0) {
+		free(pw);
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	if (rc == 1) {
+		free(pw);
+		wait_reply(c, r->id, state, error);
+		return;
+	}
+	if (wq->timeout_ms == 0) {
+		broker_wait_cancel(s->b, &pw->w);
+		free(pw);
+		conn_send_status(c, r->id, BB_ERR_TIMEOUT, "the buffer is still pending");
+		return;
+	}
+	DL_APPEND(c->waits, pw);
+	if (wq->timeout_ms > 0) {
+		uv_timer_init(s->loop, &pw->timer);
+		pw->timer.data = pw;
+		pw->has_timer = true;
+		uv_timer_start(&pw->timer, on_wait_timeout, (uint64_t)wq->timeout_ms, 0);
+	}
+}
+
+void handler_drop_waits(conn *c)
+{
+	while (c->waits) {
+		parked_wait *pw = c->waits;
+		broker_wait_cancel(c->srv->b, &pw->w);
+		wait_dispose(pw);
+	}
+}
+
+/* ---- reporting ----------------------------------------------------------------- */
+
+static void do_stat(req_ctx *r, const Bufbroker__Stat *st)
+{
+	server *s = r->c->srv;
+	broker_error err;
+	broker_info info;
+	int rc;
+	if (st->target_case == BUFBROKER__STAT__TARGET_NAME)
+		rc = broker_stat_name(s->b, r->c->bc, st->name, &info, &err);
+	else if (st->target_case == BUFBROKER__STAT__TARGET_ID)
+		rc = broker_stat_id(s->b, r->c->bc, st->id, &info, &err);
+	else
+		rc = BB_ERR_INVALID, snprintf(err.msg, sizeof(err.msg), "Stat needs an id or a name");
+	if (rc) {
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__BufferInfo bi;
+	fill_info(&bi, &info);
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_INFO;
+	resp.info = &bi;
+	reply(r, &resp, -1);
+}
+
+/* Accumulates List rows until the next would overflow the datagram. */
+typedef struct list_acc {
+	uint64_t after_id;          /* skip ids up to this */
+	size_t budget;              /* bytes left for rows */
+	size_t n, cap;              /* rows */
+	broker_info *rows;          /* copies (BufferInfo points into them) */
+	bool truncated;             /* a row did not fit */
+} list_acc;
+
+static int list_row(const broker_info *info, void *arg)
+{
+	list_acc *a = arg;
+	if (info->id <= a->after_id)
+		return 0;
+	Bufbroker__BufferInfo bi;
+	fill_info(&bi, info);
+	/* Row size plus its tag and length prefix. */
+	size_t need = bufbroker__buffer_info__get_packed_size(&bi) + 4;
+	if (need > a->budget) {
+		a->truncated = true;
+		return 1;
+	}
+	if (a->n == a->cap) {
+		size_t cap = a->cap ? a->cap * 2 : 64;
+		broker_info *rows = realloc(a->rows, cap * sizeof(*rows));
+		if (!rows) {
+			a->truncated = true;
+			return 1;
+		}
+		a->rows = rows;
+		a->cap = cap;
+	}
+	a->rows[a->n++] = *info;
+	a->budget -= need;
+	return 0;
+}
+
+static void do_list(req_ctx *r, const Bufbroker__List *l)
+{
+	server *s = r->c->srv;
+	list_acc a = {.after_id = l->after_id, .budget = s->cfg.max_datagram - 64};
+	broker_list(s->b, r->c->bc, list_row, &a);
+
+	Bufbroker__BufferInfo *infos = calloc(a.n ? a.n : 1, sizeof(*infos));
+	Bufbroker__BufferInfo **ptrs = calloc(a.n ? a.n : 1, sizeof(*ptrs));
+	if (!infos || !ptrs) {
+		free(infos);
+		free(ptrs);
+		free(a.rows);
+		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
+		return;
+	}
+	for (size_t i = 0; i < a.n; i++) {
+		fill_info(&infos[i], &a.rows[i]);
+		ptrs[i] = &infos[i];
+	}
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__ListReply lr = BUFBROKER__LIST_REPLY__INIT;
+	lr.n_buffers = a.n;
+	lr.buffers = ptrs;
+	lr.truncated = a.truncated;
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_LIST;
+	resp.list = &lr;
+	reply(r, &resp, -1);
+	free(infos);
+	free(ptrs);
+	free(a.rows);
+}
+
+static void do_server_status(req_ctx *r)
+{
+	server *s = r->c->srv;
+	broker_totals t;
+	broker_totals_get(s->b, &t);
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__ServerStatusReply ss = BUFBROKER__SERVER_STATUS_REPLY__INIT;
+	Bufbroker__KindTotals kt[2], *ktp[2];
+	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+		Bufbroker__KindTotals *x = &kt[k - 1];
+		bufbroker__kind_totals__init(x);
+		x->kind = (Bufbroker__Kind)k;
+		x->buffers = t.buffers[k];
+		x->bytes = t.bytes[k];
+		ktp[k - 1] = x;
+	}
+	ss.server_version = BB_VERSION_STRING;
+	ss.version_major = BB_PROTO_MAJOR;
+	ss.version_minor = BB_PROTO_MINOR;
+	ss.uptime_ms = uv_now(s->loop) - s->started_ms;
+	ss.connections = t.connections;
+	ss.n_kinds = 2;
+	ss.kinds = ktp;
+	ss.tokens = t.tokens;
+	ss.waits = t.waits;
+	ss.pid = (uint32_t)getpid();
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_SERVER_STATUS;
+	resp.server_status = &ss;
+	reply(r, &resp, -1);
+}
+
+/* ---- dispatch ------------------------------------------------------------------ */
+
+static const char *op_name(Bufbroker__Request__OpCase op)
+{
+	switch (op) {
+	case BUFBROKER__REQUEST__OP_HELLO: return "hello";
+	case BUFBROKER__REQUEST__OP_ALLOC: return "alloc";
+	case BUFBROKER__REQUEST__OP_IMPORT_FD: return "import_fd";
+	case BUFBROKER__REQUEST__OP_OPEN: return "open";
+	case BUFBROKER__REQUEST__OP_RETAIN: return "retain";
+	case BUFBROKER__REQUEST__OP_RELEASE: return "release";
+	case BUFBROKER__REQUEST__OP_TAKE: return "take";
+	case BUFBROKER__REQUEST__OP_ADOPT: return "adopt";
+	case BUFBROKER__REQUEST__OP_SET_READY: return "set_ready";
+	case BUFBROKER__REQUEST__OP_SET_ERROR: return "set_error";
+	case BUFBROKER__REQUEST__OP_WAIT: return "wait";
+	case BUFBROKER__REQUEST__OP_STAT: return "stat";
+	case BUFBROKER__REQUEST__OP_LIST: return "list";
+	case BUFBROKER__REQUEST__OP_SERVER_STATUS: return "server_status";
+	default: return "unknown";
+	}
+}
+
+void handler_request(conn *c, const Bufbroker__Request *req, int fd)
+{
+	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .op = op_name(req->op_case)};
+
+	if (fd >= 0 && req->op_case != BUFBROKER__REQUEST__OP_IMPORT_FD) {
+		close(fd);
+		r.quiet = false;
+		reply_error(&r, BB_ERR_PROTOCOL, "unexpected file descriptor: only ImportFd carries one");
+		return;
+	}
+	if (!c->hello && req->op_case != BUFBROKER__REQUEST__OP_HELLO) {
+		if (fd >= 0)
+			close(fd);
+		r.quiet = false;
+		reply_error(&r, BB_ERR_PROTOCOL, "the first request must be Hello");
+		conn_doom(c, "request before Hello");
+		return;
+	}
+
+	switch (req->op_case) {
+	case BUFBROKER__REQUEST__OP_HELLO:
+		do_hello(&r, req->hello);
+		break;
+	case BUFBROKER__REQUEST__OP_ALLOC: {
+		const Bufbroker__Alloc *a = req->alloc;
+		do_alloc(&r, a->size, a->kind, a->device, a->name, a->share, -1);
+		break;
+	}
+	case BUFBROKER__REQUEST__OP_IMPORT_FD: {
+		const Bufbroker__ImportFd *a = req->import_fd;
+		if (fd < 0)
+			reply_error(&r, BB_ERR_INVALID, "ImportFd needs the memfd attached to the request");
+		else if (a->kind != BUFBROKER__KIND__KIND_HOST)
+			reply_error(&r, BB_ERR_INVALID, "only host buffers can be imported from an fd");
+		else
+			do_alloc(&r, a->size, a->kind, a->device, a->name, a->share, fd);
+		if (fd >= 0)
+			close(fd); /* the backend kept its own duplicate */
+		break;
+	}
+	case BUFBROKER__REQUEST__OP_OPEN:
+		do_open(&r, req->open);
+		break;
+	case BUFBROKER__REQUEST__OP_RETAIN:
+		do_refs(&r, req->retain->id, req->retain->count, true);
+		break;
+	case BUFBROKER__REQUEST__OP_RELEASE:
+		do_refs(&r, req->release->id, req->release->count, false);
+		break;
+	case BUFBROKER__REQUEST__OP_TAKE:
+		do_take(&r, req->take);
+		break;
+	case BUFBROKER__REQUEST__OP_ADOPT:
+		do_adopt(&r, req->adopt);
+		break;
+	case BUFBROKER__REQUEST__OP_SET_READY:
+		do_settle(&r, req->set_ready->id, NULL);
+		break;
+	case BUFBROKER__REQUEST__OP_SET_ERROR:
+		do_settle(&r, req->set_error->id,
+			  req->set_error->message && req->set_error->message[0] ? req->set_error->message
+										: "failed");
+		break;
+	case BUFBROKER__REQUEST__OP_WAIT:
+		do_wait(&r, req->wait);
+		break;
+	case BUFBROKER__REQUEST__OP_STAT:
+		do_stat(&r, req->stat);
+		break;
+	case BUFBROKER__REQUEST__OP_LIST:
+		do_list(&r, req->list);
+		break;
+	case BUFBROKER__REQUEST__OP_SERVER_STATUS:
+		do_server_status(&r);
+		break;
+	default:
+		r.quiet = false;
+		reply_error(&r, BB_ERR_PROTOCOL, "unknown or missing op");
+		break;
+	}
+}

@@ -1,0 +1,301 @@
+/*
+ * Listen and accept: the SOCK_SEQPACKET socket (our own, or the one
+ * systemd passed), the token-expiry timer, the reaper that closes doomed
+ * connections after each loop turn, and clean shutdown on SIGTERM/SIGINT.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <systemd/sd-daemon.h>
+
+#include "log.h"
+#include "server.h"
+#include "wire.h"
+
+conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid);
+void conn_close(conn *c);
+
+/* mkdir -p for the socket's parent directory. */
+static int make_parents(const char *path)
+{
+	char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	snprintf(dir, sizeof(dir), "%s", path);
+	char *slash = strrchr(dir, '/');
+	if (!slash || slash == dir)
+		return 0;
+	*slash = '\0';
+	for (char *p = dir + 1; *p; p++) {
+		if (*p != '/')
+			continue;
+		*p = '\0';
+		if (mkdir(dir, 0755) < 0 && errno != EEXIST)
+			return -1;
+		*p = '/';
+	}
+	if (mkdir(dir, 0755) < 0 && errno != EEXIST)
+		return -1;
+	return 0;
+}
+
+static int listen_on(server *s)
+{
+	const char *path = s->cfg.socket_path;
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	if (strlen(path) >= sizeof(addr.sun_path)) {
+		log_error("event=listen_failed socket=\"%s\" error=\"path too long\"", path);
+		return -1;
+	}
+	strcpy(addr.sun_path, path);
+	if (make_parents(path) < 0) {
+		log_error("event=listen_failed socket=\"%s\" error=\"cannot create its directory: %s\"",
+			  path, strerror(errno));
+		return -1;
+	}
+	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0) {
+		log_error("event=listen_failed error=\"socket: %s\"", strerror(errno));
+		return -1;
+	}
+	if (bind(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
+		if (errno != EADDRINUSE)
+			goto err_bind;
+		/* A file is there: a live daemon's socket, or a stale one from
+		 * a daemon that died. Only a refused connect proves it stale,
+		 * and only a socket file is ours to remove. */
+		struct stat st;
+		int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+		int live = probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof(addr)) == 0;
+		if (probe >= 0)
+			close(probe);
+		if (live || lstat(path, &st) < 0 || !S_ISSOCK(st.st_mode)) {
+			log_error("event=listen_failed socket=\"%s\" error=\"%s\"", path,
+				  live ? "another daemon is serving it" : "the path exists and is not a socket");
+			close(fd);
+			return -1;
+		}
+		unlink(path);
+		if (bind(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0)
+			goto err_bind;
+	}
+	s->own_socket_file = true;
+	if (chmod(path, s->cfg.socket_mode) < 0) {
+		log_error("event=listen_failed socket=\"%s\" error=\"chmod: %s\"", path, strerror(errno));
+		goto err_file;
+	}
+	if (s->cfg.socket_group) {
+		struct group *g = getgrnam(s->cfg.socket_group);
+		if (!g || chown(path, (uid_t)-1, g->gr_gid) < 0) {
+			log_error("event=listen_failed socket=\"%s\" error=\"cannot give it group %s: %s\"",
+				  path, s->cfg.socket_group, g ? strerror(errno) : "no such group");
+			goto err_file;
+		}
+	}
+	if (listen(fd, 256) < 0) {
+		log_error("event=listen_failed socket=\"%s\" error=\"listen: %s\"", path, strerror(errno));
+		goto err_file;
+	}
+	s->listen_fd = fd;
+	return 0;
+
+err_bind:
+	log_error("event=listen_failed socket=\"%s\" error=\"bind: %s\"", path, strerror(errno));
+	close(fd);
+	return -1;
+err_file:
+	unlink(path);
+	s->own_socket_file = false;
+	close(fd);
+	return -1;
+}
+
+/* The socket systemd (or systemd-socket-activate) passed, if any. */
+static int take_passed_socket(server *s)
+{
+	int n = sd_listen_fds(1);
+	if (n <= 0)
+		return n;
+	if (n > 1) {
+		log_error("event=listen_failed error=\"systemd passed %d sockets; expected one\"", n);
+		return -1;
+	}
+	int fd = SD_LISTEN_FDS_START;
+	if (sd_is_socket_unix(fd, SOCK_SEQPACKET, 1, NULL, 0) <= 0) {
+		log_error("event=listen_failed error=\"the passed fd is not a listening "
+			  "SOCK_SEQPACKET unix socket\"");
+		return -1;
+	}
+	int fl = fcntl(fd, F_GETFL);
+	fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+	fcntl(fd, F_SETFD, FD_CLOEXEC);
+	s->listen_fd = fd;
+	s->own_socket_file = false;
+	return 1;
+}
+
+static void on_accept(uv_poll_t *p, int status, int events)
+{
+	server *s = p->data;
+	(void)events;
+	if (status < 0)
+		return;
+	/* Accept all that wait: each accept is cheap and a burst of clients
+	 * should not need one loop turn each. */
+	for (;;) {
+		int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0) {
+			if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+				log_warn("event=accept_failed error=\"%s\"", strerror(errno));
+			if (errno == EINTR)
+				continue;
+			return;
+		}
+		struct ucred cred;
+		socklen_t len = sizeof(cred);
+		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0) {
+			log_warn("event=accept_failed error=\"SO_PEERCRED: %s\"", strerror(errno));
+			close(fd);
+			continue;
+		}
+		conn *c = conn_start(s, fd, cred.uid, cred.gid, (uint32_t)cred.pid);
+		if (!c) {
+			log_error("event=accept_failed error=\"out of memory\"");
+			close(fd);
+			continue;
+		}
+		broker_error err;
+		c->bc = broker_conn_open(s->b, cred.uid, cred.gid, (uint32_t)cred.pid, &err);
+		if (!c->bc) {
+			log_warn("event=connection_refused conn=%llu uid=%u pid=%u error=\"%s\"",
+				 (unsigned long long)c->serial, c->uid, c->pid, err.msg);
+			conn_send_status(c, 0, BB_ERR_NO_MEMORY, err.msg);
+			conn_doom(c, err.msg);
+			continue;
+		}
+		log_info("event=connection_opened conn=%llu uid=%u gid=%u pid=%u",
+			 (unsigned long long)c->serial, c->uid, c->gid, c->pid);
+	}
+}
+
+static void on_token_timer(uv_timer_t *t)
+{
+	server *s = t->data;
+	uint64_t next = broker_expire_tokens(s->b);
+	if (next != UINT64_MAX)
+		uv_timer_start(&s->token_timer, on_token_timer, next, 0);
+}
+
+void server_tokens_changed(server *s)
+{
+	if (s->stopping)
+		return;
+	/* Tokens expire oldest first; the timer only needs to track the
+	 * oldest. Recompute from the broker, which also expires overdue ones. */
+	uint64_t next = broker_expire_tokens(s->b);
+	if (next == UINT64_MAX)
+		uv_timer_stop(&s->token_timer);
+	else if (!uv_is_active((uv_handle_t *)&s->token_timer) ||
+		 uv_timer_get_due_in(&s->token_timer) > next)
+		uv_timer_start(&s->token_timer, on_token_timer, next, 0);
+}
+
+static void on_reap(uv_check_t *h)
+{
+	server *s = h->data;
+	while (s->doomed) {
+		conn *c = s->doomed;
+		s->doomed = c->doomed_next;
+		conn_close(c);
+	}
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+	server *s = h->data;
+	log_info("event=stopping signal=%s", signum == SIGTERM ? "SIGTERM" : "SIGINT");
+	uv_stop(s->loop);
+}
+
+int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
+{
+	memset(s, 0, sizeof(*s));
+	s->loop = loop;
+	s->cfg = *cfg;
+	s->listen_fd = -1;
+	s->rbuf = malloc((size_t)cfg->max_datagram + 1);
+	s->sbuf = malloc(cfg->max_datagram);
+	broker_config bc = {.limits = cfg->limits};
+	s->b = broker_new(&bc);
+	s->host = backend_host_new();
+	if (!s->rbuf || !s->sbuf || !s->b || !s->host) {
+		log_error("event=start_failed error=\"out of memory\"");
+		return -1;
+	}
+	broker_set_backend(s->b, BB_HOST, s->host, NULL);
+	broker_set_backend(s->b, BB_CUDA, NULL,
+			   "CUDA buffers are not supported by this daemon yet (no CUDA backend)");
+
+	int passed = take_passed_socket(s);
+	if (passed < 0)
+		return -1;
+	if (passed == 0 && listen_on(s) < 0)
+		return -1;
+
+	uv_poll_init(loop, &s->listen_poll, s->listen_fd);
+	s->listen_poll.data = s;
+	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+	uv_timer_init(loop, &s->token_timer);
+	s->token_timer.data = s;
+	uv_check_init(loop, &s->reaper);
+	s->reaper.data = s;
+	uv_check_start(&s->reaper, on_reap);
+	uv_signal_init(loop, &s->sigterm);
+	uv_signal_init(loop, &s->sigint);
+	s->sigterm.data = s->sigint.data = s;
+	uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+	uv_signal_start(&s->sigint, on_signal, SIGINT);
+	s->started_ms = uv_now(loop);
+
+	log_info("event=listening socket=\"%s\" activation=%s max_datagram=%u",
+		 passed ? "(passed by systemd)" : s->cfg.socket_path, passed ? "systemd" : "none",
+		 s->cfg.max_datagram);
+	sd_notify(0, "READY=1\nSTATUS=serving");
+	return 0;
+}
+
+static void close_walk(uv_handle_t *h, void *arg)
+{
+	(void)arg;
+	if (!uv_is_closing(h))
+		uv_close(h, NULL);
+}
+
+void server_shutdown(server *s)
+{
+	s->stopping = true;
+	sd_notify(0, "STOPPING=1");
+	if (s->loop) {
+		while (s->conns)
+			conn_close(s->conns);
+		s->doomed = NULL;
+		/* Connections closed above free themselves in their close
+		 * callbacks; everything else has no callback to wait for. */
+		uv_walk(s->loop, close_walk, NULL);
+		uv_run(s->loop, UV_RUN_DEFAULT);
+	}
+	if (s->listen_fd >= 0)
+		close(s->listen_fd);
+	if (s->own_socket_file)
+		unlink(s->cfg.socket_path);
+	broker_free(s->b);
+	if (s->host)
+		s->host->destroy(s->host);
+	free(s->rbuf);
+	free(s->sbuf);
+}
