@@ -18,7 +18,8 @@
  * - Take moves one reference into a single-use 128-bit token; Adopt moves it
  *   to the adopter. Neither changes refs (Take with retain adds one).
  * - Open, retain, stat and wait need the share policy to admit the caller
- *   (or the caller to hold the buffer); a token admits anyone.
+ *   (or the caller to hold the buffer); a token admits anyone; uid 0 is
+ *   admitted by every policy. Take and release need the caller to hold it.
  * - Limits: bytes and buffers per uid, connections, tokens per connection,
  *   parked waits per connection.
  *
@@ -121,7 +122,9 @@ void broker_limits_default(broker_limits *l);
 
 broker *broker_new(const broker_config *cfg);
 /* Frees every buffer (through the backends), token and connection. The
- * backends themselves stay the caller's. */
+ * backends themselves stay the caller's. Closing producer connections can
+ * wake other connections' waiters, so every parked waiter must still be
+ * valid here (or cancelled before). */
 void broker_free(broker *b);
 /* The backend that serves kind (BB_HOST, BB_CUDA). NULL: that kind answers
  * BB_ERR_UNSUPPORTED with unsupported_why as the message. */
