@@ -3,7 +3,7 @@
  */
 #include "bufbroker/bufbroker.h"
 
-const char *bb_strerror(int err)
+__attribute__((visibility("default"))) const char *bb_strerror(int err)
 {
 	switch (err) {
 	case BB_OK: return "success";
