@@ -1,0 +1,84 @@
+# shellcheck shell=bash
+# Shared by scripts/test.sh and scripts/demo.sh: find the repository, install
+# the Debian packages the build needs, configure and build a tree.
+# Source it from bash; it defines functions and variables only.
+
+# The repository root (this file lives in ROOT/scripts).
+BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# Everything the build, the tests and the demo need on Debian 12.
+# systemd provides systemd-analyze and systemd-socket-activate; clang builds
+# the fuzz target.
+BB_PACKAGES=(
+	build-essential cmake pkg-config
+	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
+	libcriterion-dev libsystemd-dev uthash-dev
+	systemd clang
+)
+
+bb_log()
+{
+	printf '==> %s\n' "$*"
+}
+
+bb_warn()
+{
+	printf '==> warning: %s\n' "$*" >&2
+}
+
+# Prints the packages of BB_PACKAGES that are not installed, one a line.
+bb_missing_packages()
+{
+	local p st
+	for p in "${BB_PACKAGES[@]}"; do
+		st="$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)"
+		[ "$st" = installed ] || printf '%s\n' "$p"
+	done
+}
+
+# Installs what is missing with apt-get (as root, or through sudo). Does
+# nothing, quickly, when everything is there. Returns non-zero, naming the
+# packages, when it cannot install them.
+bb_ensure_packages()
+{
+	local -a missing sudo_cmd=()
+
+	if ! command -v dpkg-query >/dev/null 2>&1; then
+		bb_warn "not a Debian system: make sure these (or their equivalents) are installed: ${BB_PACKAGES[*]}"
+		return 0
+	fi
+	mapfile -t missing < <(bb_missing_packages)
+	if [ "${#missing[@]}" -eq 0 ]; then
+		bb_log "build dependencies: all installed"
+		return 0
+	fi
+	if [ "$(id -u)" -ne 0 ]; then
+		if command -v sudo >/dev/null 2>&1; then
+			sudo_cmd=(sudo)
+		else
+			printf 'error: missing packages: %s\n' "${missing[*]}" >&2
+			printf 'install them as root: apt-get install %s\n' "${missing[*]}" >&2
+			return 1
+		fi
+	fi
+	bb_log "installing: ${missing[*]}"
+	"${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q || return 1
+	"${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends "${missing[@]}" || return 1
+}
+
+# bb_build DIR BUILD_TYPE [CMAKE_ARGS...]: configure and build ROOT/DIR.
+bb_build()
+{
+	local dir="$1" type="$2"
+	shift 2
+	bb_log "configuring $dir ($type${*:+ $*})"
+	cmake -S "$BB_ROOT" -B "$BB_ROOT/$dir" -DCMAKE_BUILD_TYPE="$type" "$@" || return 1
+	bb_log "building $dir"
+	cmake --build "$BB_ROOT/$dir" -j "$(nproc)" || return 1
+}
+
+# The build tree the scripts use (relative to the root). Override with
+# BUFBROKER_BUILD_DIR to keep a separate tree.
+# shellcheck disable=SC2034 # used by the scripts that source this file
+BB_BUILD_DIR="${BUFBROKER_BUILD_DIR:-build}"
