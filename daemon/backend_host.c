@@ -79,6 +79,15 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 		snprintf(err, errlen, "the fd must be open for reading and writing");
 		return BB_ERR_INVALID;
 	}
+	/* Refuse a short file before sealing it: a refused import leaves the
+	 * caller's memfd as it was. */
+	if (fstat(fd, &st) < 0)
+		return sys_fail(err, errlen, "fstat of the imported memfd");
+	if ((uint64_t)st.st_size < size) {
+		snprintf(err, errlen, "the memfd has %lld bytes; %llu were asked for",
+			 (long long)st.st_size, (unsigned long long)size);
+		return BB_ERR_INVALID;
+	}
 	int mine = fcntl(fd, F_DUPFD_CLOEXEC, 3);
 	if (mine < 0)
 		return sys_fail(err, errlen, "duplicating the imported fd");
@@ -87,8 +96,8 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 		close(mine);
 		return BB_ERR_INVALID;
 	}
-	/* Size is checked after sealing: before it, the sender could still
-	 * shrink the file between our check and the seal. */
+	/* And again after sealing: before it, the sender could still shrink
+	 * the file between the first check and the seal. */
 	if (fstat(mine, &st) < 0) {
 		int rc = sys_fail(err, errlen, "fstat of the imported memfd");
 		close(mine);

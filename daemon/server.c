@@ -281,6 +281,14 @@ void server_shutdown(server *s)
 	s->stopping = true;
 	sd_notify(0, "STOPPING=1");
 	if (s->loop) {
+		/* Nothing is sent while stopping: parked waits are dropped and
+		 * every connection is silenced before any closes, so that a
+		 * waiter learns that the daemon went (end of stream), not that
+		 * its producer did, which depends only on the close order. */
+		for (conn *c = s->conns; c; c = c->next) {
+			handler_drop_waits(c);
+			c->doomed = true;
+		}
 		while (s->conns)
 			conn_close(s->conns);
 		s->doomed = NULL;

@@ -1,0 +1,657 @@
+/*
+ * Integration-test harness: see harness.h.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "harness.h"
+
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client_internal.h"
+#include "msgio.h"
+#include "wire.h"
+
+#define BBT_MAX_DAEMONS 4
+#define BBT_START_TIMEOUT_MS 5000
+#define BBT_STOP_TIMEOUT_MS 10000 /* a sanitized daemon checks for leaks on exit */
+#define BBT_RECV_CAP (BB_MAX_DATAGRAM + 4096)
+
+static bbt_daemon g_daemons[BBT_MAX_DAEMONS];
+static int g_ndaemons;
+
+/* ---- time --------------------------------------------------------------- */
+
+int64_t bbt_now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+void bbt_sleep_ms(int ms)
+{
+	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+	while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+		;
+}
+
+/* ---- the daemon ------------------------------------------------------- */
+
+/* Waitpid without blocking for up to timeout_ms: the status, or -1. */
+static int reap_within(pid_t pid, int timeout_ms, int *status)
+{
+	int64_t deadline = bbt_now_ms() + timeout_ms;
+	for (;;) {
+		pid_t r = waitpid(pid, status, WNOHANG);
+		if (r == pid)
+			return 0;
+		if (r < 0 && errno != EINTR)
+			return -1;
+		if (bbt_now_ms() >= deadline)
+			return -1;
+		bbt_sleep_ms(2);
+	}
+}
+
+static pid_t spawn_daemon(bbt_daemon *d)
+{
+	const char *exe = getenv("BUFBROKERD");
+	const char *argv[BBT_MAX_ARGS + 8];
+	int argc = 0;
+	pid_t parent = getpid();
+
+	cr_assert(exe && *exe, "BUFBROKERD is not set (ctest sets it to the built daemon)");
+	argv[argc++] = exe;
+	argv[argc++] = "--socket";
+	argv[argc++] = d->sock;
+	for (int i = 0; d->args[i]; i++)
+		argv[argc++] = d->args[i];
+	argv[argc] = NULL;
+
+	pid_t pid = fork();
+	cr_assert(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		int log = open(d->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+		int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		sigset_t all;
+		if (log < 0 || null < 0)
+			_exit(126);
+		dup2(null, 0);
+		dup2(log, 1);
+		dup2(log, 2);
+		close_range(3, ~0U, 0);
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (getppid() != parent)
+			_exit(125);
+		sigemptyset(&all);
+		sigprocmask(SIG_SETMASK, &all, NULL);
+		signal(SIGPIPE, SIG_DFL);
+		signal(SIGTERM, SIG_DFL);
+		signal(SIGINT, SIG_DFL);
+		unsetenv("LISTEN_FDS");
+		unsetenv("LISTEN_PID");
+		unsetenv("LISTEN_FDNAMES");
+		unsetenv("NOTIFY_SOCKET");
+		execv(exe, (char *const *)argv);
+		_exit(127);
+	}
+	return pid;
+}
+
+static void wait_listening(bbt_daemon *d)
+{
+	int64_t deadline = bbt_now_ms() + BBT_START_TIMEOUT_MS;
+	for (;;) {
+		int status;
+		pid_t r = waitpid(d->pid, &status, WNOHANG);
+		if (r == d->pid) {
+			d->pid = -1;
+			bbt_dump_log(d);
+			cr_assert_fail("bufbrokerd exited during start-up (status 0x%x)", status);
+		}
+		int s = bbt_raw_connect(d->sock);
+		if (s >= 0) {
+			close(s);
+			return;
+		}
+		if (bbt_now_ms() >= deadline) {
+			bbt_dump_log(d);
+			cr_assert_fail("bufbrokerd did not accept on %s within %d ms", d->sock,
+				       BBT_START_TIMEOUT_MS);
+		}
+		bbt_sleep_ms(10);
+	}
+}
+
+bbt_daemon *bbt_start(const char *const *extra)
+{
+	cr_assert(g_ndaemons < BBT_MAX_DAEMONS, "too many daemons in one test");
+	bbt_daemon *d = &g_daemons[g_ndaemons];
+	memset(d, 0, sizeof(*d));
+	d->pid = -1;
+	char dir[] = "/tmp/bbt-XXXXXX";
+	cr_assert(mkdtemp(dir), "mkdtemp: %s", strerror(errno));
+	g_ndaemons++;
+	snprintf(d->dir, sizeof(d->dir), "%s", dir);
+	snprintf(d->sock, sizeof(d->sock), "%s/bb.sock", dir);
+	snprintf(d->log, sizeof(d->log), "%s/daemon.log", dir);
+	int n = 0;
+	for (; extra && extra[n]; n++) {
+		cr_assert(n < BBT_MAX_ARGS - 1, "too many daemon arguments");
+		d->args[n] = extra[n];
+	}
+	d->args[n] = NULL;
+	d->pid = spawn_daemon(d);
+	wait_listening(d);
+	return d;
+}
+
+void bbt_restart(bbt_daemon *d)
+{
+	cr_assert(d->pid < 0, "bbt_restart: the daemon is still running");
+	d->pid = spawn_daemon(d);
+	wait_listening(d);
+}
+
+int bbt_stop(bbt_daemon *d)
+{
+	int status;
+	if (d->pid < 0)
+		return -1;
+	kill(d->pid, SIGTERM);
+	if (reap_within(d->pid, BBT_STOP_TIMEOUT_MS, &status) < 0) {
+		kill(d->pid, SIGKILL);
+		waitpid(d->pid, &status, 0);
+		d->pid = -1;
+		return -1;
+	}
+	d->pid = -1;
+	return status;
+}
+
+void bbt_stop_clean(bbt_daemon *d)
+{
+	int status = bbt_stop(d);
+	if (status == -1) {
+		bbt_dump_log(d);
+		cr_assert_fail("bufbrokerd did not exit within %d ms of SIGTERM",
+			       BBT_STOP_TIMEOUT_MS);
+	}
+	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+		bbt_dump_log(d);
+		if (WIFSIGNALED(status))
+			cr_assert_fail("bufbrokerd died of signal %d after SIGTERM (want exit 0)",
+				       WTERMSIG(status));
+		cr_assert_fail("bufbrokerd exited %d after SIGTERM (want 0)", WEXITSTATUS(status));
+	}
+}
+
+void bbt_kill(bbt_daemon *d)
+{
+	int status;
+	if (d->pid < 0)
+		return;
+	kill(d->pid, SIGKILL);
+	waitpid(d->pid, &status, 0);
+	d->pid = -1;
+}
+
+void bbt_dump_log(const bbt_daemon *d)
+{
+	char buf[6144];
+	int fd = open(d->log, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return;
+	off_t end = lseek(fd, 0, SEEK_END);
+	off_t from = end > (off_t)sizeof(buf) - 1 ? end - (off_t)sizeof(buf) + 1 : 0;
+	ssize_t n = pread(fd, buf, sizeof(buf) - 1, from);
+	close(fd);
+	if (n < 0)
+		return;
+	buf[n] = '\0';
+	fprintf(stderr, "---- tail of %s ----\n%s\n---- end of daemon log ----\n", d->log, buf);
+}
+
+size_t bbt_log_size(const bbt_daemon *d)
+{
+	struct stat st;
+	return stat(d->log, &st) == 0 ? (size_t)st.st_size : 0;
+}
+
+static bool log_has_line(const bbt_daemon *d, size_t from, const char *const *needles)
+{
+	FILE *f = fopen(d->log, "re");
+	char *line = NULL;
+	size_t cap = 0;
+	bool found = false;
+
+	if (!f)
+		return false;
+	if (fseeko(f, (off_t)from, SEEK_SET) == 0) {
+		while (!found && getline(&line, &cap, f) >= 0) {
+			found = true;
+			for (int i = 0; needles[i]; i++)
+				if (!strcasestr(line, needles[i]))
+					found = false;
+		}
+	}
+	free(line);
+	fclose(f);
+	return found;
+}
+
+bool bbt_log_wait_line(const bbt_daemon *d, size_t from, int timeout_ms, const char *const *needles)
+{
+	int64_t deadline = bbt_now_ms() + timeout_ms;
+	for (;;) {
+		if (log_has_line(d, from, needles))
+			return true;
+		if (bbt_now_ms() >= deadline)
+			return false;
+		bbt_sleep_ms(10);
+	}
+}
+
+int bbt_daemon_memfds(const bbt_daemon *d)
+{
+	char dir[64];
+	int n = 0;
+	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)d->pid);
+	DIR *dp = opendir(dir);
+	if (!dp)
+		return -1;
+	struct dirent *e;
+	while ((e = readdir(dp))) {
+		char path[384], target[256];
+		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+		ssize_t len = readlink(path, target, sizeof(target) - 1);
+		if (len <= 0)
+			continue;
+		target[len] = '\0';
+		if (!strncmp(target, "/memfd:", 7))
+			n++;
+	}
+	closedir(dp);
+	return n;
+}
+
+static void remove_dir(const char *dir)
+{
+	DIR *dp = opendir(dir);
+	if (dp) {
+		struct dirent *e;
+		while ((e = readdir(dp))) {
+			char path[512];
+			if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+				continue;
+			snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+			if (unlink(path) < 0 && errno == EISDIR)
+				remove_dir(path);
+		}
+		closedir(dp);
+	}
+	rmdir(dir);
+}
+
+void bbt_cleanup(void)
+{
+	for (int i = 0; i < g_ndaemons; i++) {
+		bbt_kill(&g_daemons[i]);
+		if (g_daemons[i].dir[0])
+			remove_dir(g_daemons[i].dir);
+	}
+	g_ndaemons = 0;
+}
+
+bb_client *bbt_connect(const bbt_daemon *d)
+{
+	bb_client *c = NULL;
+	int rc = bb_connect(d->sock, &c);
+	cr_assert(rc == 0, "bb_connect(%s): %d (%s)", d->sock, rc, bb_last_error());
+	cr_assert(c);
+	return c;
+}
+
+/* ---- children ----------------------------------------------------------- */
+
+pid_t bbt_spawn(int (*fn)(void *arg), void *arg)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	cr_assert(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		_exit(fn(arg));
+	}
+	return pid;
+}
+
+int bbt_join(pid_t pid, int timeout_ms)
+{
+	int status;
+	if (reap_within(pid, timeout_ms, &status) < 0) {
+		kill(pid, SIGKILL);
+		waitpid(pid, &status, 0);
+		return -1;
+	}
+	if (WIFEXITED(status))
+		return WEXITSTATUS(status);
+	if (WIFSIGNALED(status))
+		return 128 + WTERMSIG(status);
+	return -1;
+}
+
+void bbt_chan_open(bbt_chan *ch)
+{
+	cr_assert(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ch->fd) == 0, "socketpair: %s",
+		  strerror(errno));
+}
+
+void bbt_chan_close(bbt_chan *ch)
+{
+	for (int i = 0; i < 2; i++) {
+		if (ch->fd[i] >= 0)
+			close(ch->fd[i]);
+		ch->fd[i] = -1;
+	}
+}
+
+int bbt_send(int fd, const void *p, size_t n)
+{
+	const char *b = p;
+	while (n > 0) {
+		ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			return -1;
+		b += w;
+		n -= (size_t)w;
+	}
+	return 0;
+}
+
+int bbt_recv(int fd, void *p, size_t n, int timeout_ms)
+{
+	char *b = p;
+	int64_t deadline = timeout_ms < 0 ? 0 : bbt_now_ms() + timeout_ms;
+	while (n > 0) {
+		struct pollfd pfd = {.fd = fd, .events = POLLIN};
+		int wait = -1;
+		if (timeout_ms >= 0) {
+			int64_t left = deadline - bbt_now_ms();
+			wait = left > 0 ? (int)left : 0;
+		}
+		int r = poll(&pfd, 1, wait);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			return -1;
+		ssize_t got = recv(fd, b, n, 0);
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got <= 0)
+			return -1;
+		b += got;
+		n -= (size_t)got;
+	}
+	return 0;
+}
+
+/* ---- daemon state through a client ------------------------------------- */
+
+int bbt_stat_until_gone(bb_client *c, uint64_t id, int timeout_ms)
+{
+	int64_t deadline = bbt_now_ms() + timeout_ms;
+	for (;;) {
+		bb_info info;
+		int rc = bb_stat(c, id, &info);
+		if (rc != 0 || bbt_now_ms() >= deadline)
+			return rc;
+		bbt_sleep_ms(10);
+	}
+}
+
+int64_t bbt_refs(bb_client *c, uint64_t id)
+{
+	bb_info info;
+	int rc = bb_stat(c, id, &info);
+	return rc != 0 ? rc : (int64_t)info.refs;
+}
+
+int64_t bbt_refs_until(bb_client *c, uint64_t id, uint64_t want, int timeout_ms)
+{
+	int64_t deadline = bbt_now_ms() + timeout_ms;
+	for (;;) {
+		int64_t refs = bbt_refs(c, id);
+		if (refs == (int64_t)want || bbt_now_ms() >= deadline)
+			return refs;
+		bbt_sleep_ms(10);
+	}
+}
+
+int bbt_server_totals(bb_client *c, bbt_totals *out)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
+	Bufbroker__Response *resp = NULL;
+
+	memset(out, 0, sizeof(*out));
+	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
+	req.server_status = &ss;
+	int rc = bbc_call(c, &req, -1, &resp, NULL);
+	if (rc != 0)
+		return rc;
+	if (!resp->status || resp->status->code != 0) {
+		rc = resp->status ? resp->status->code : BB_ERR_PROTOCOL;
+	} else if (resp->result_case != BUFBROKER__RESPONSE__RESULT_SERVER_STATUS ||
+		   !resp->server_status) {
+		rc = BB_ERR_PROTOCOL;
+	} else {
+		const Bufbroker__ServerStatusReply *s = resp->server_status;
+		for (size_t i = 0; i < s->n_kinds; i++) {
+			out->buffers += s->kinds[i]->buffers;
+			out->bytes += s->kinds[i]->bytes;
+			if (s->kinds[i]->kind == BUFBROKER__KIND__KIND_HOST)
+				out->host_buffers += s->kinds[i]->buffers;
+		}
+		out->connections = s->connections;
+		out->tokens = s->tokens;
+		out->waits = s->waits;
+		out->pid = s->pid;
+	}
+	bbc_response_free(resp);
+	return rc;
+}
+
+bool bbt_totals_until_idle(bb_client *c, uint32_t conns, int timeout_ms, bbt_totals *last)
+{
+	int64_t deadline = bbt_now_ms() + timeout_ms;
+	for (;;) {
+		int rc = bbt_server_totals(c, last);
+		if (rc == 0 && last->buffers == 0 && last->bytes == 0 && last->tokens == 0 &&
+		    last->waits == 0 && last->connections == conns)
+			return true;
+		if (bbt_now_ms() >= deadline)
+			return false;
+		bbt_sleep_ms(10);
+	}
+}
+
+/* ---- raw protocol peer ---------------------------------------------------- */
+
+int bbt_raw_connect(const char *path)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	if (strlen(path) >= sizeof(sa.sun_path))
+		return -ENAMETOOLONG;
+	strcpy(sa.sun_path, path);
+	int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (s < 0)
+		return -errno;
+	if (connect(s, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+		int e = errno;
+		close(s);
+		return -e;
+	}
+	return s;
+}
+
+int bbt_raw_send_bytes(int sock, const void *buf, size_t len, int attach_fd)
+{
+	ssize_t n = msgio_send(sock, buf, len, attach_fd);
+	if (n < 0)
+		return (int)n;
+	return (size_t)n == len ? 0 : -EMSGSIZE;
+}
+
+uint8_t *bbt_pack_request(const Bufbroker__Request *req, size_t *len)
+{
+	*len = bufbroker__request__get_packed_size(req);
+	uint8_t *buf = malloc(*len ? *len : 1);
+	if (buf)
+		bufbroker__request__pack(req, buf);
+	return buf;
+}
+
+Bufbroker__Response *bbt_unpack_response(const void *buf, size_t len)
+{
+	return bufbroker__response__unpack(NULL, len, buf);
+}
+
+Bufbroker__Request *bbt_unpack_request(const void *buf, size_t len)
+{
+	return bufbroker__request__unpack(NULL, len, buf);
+}
+
+int bbt_raw_send(int sock, const Bufbroker__Request *req, int attach_fd)
+{
+	size_t len;
+	uint8_t *buf = bbt_pack_request(req, &len);
+	if (!buf)
+		return -ENOMEM;
+	int rc = bbt_raw_send_bytes(sock, buf, len, attach_fd);
+	free(buf);
+	return rc;
+}
+
+int bbt_raw_recv(int sock, int timeout_ms, Bufbroker__Response **out, int *fd_in)
+{
+	struct pollfd pfd = {.fd = sock, .events = POLLIN};
+	int fd = -1, trunc = 0, rc;
+
+	*out = NULL;
+	if (fd_in)
+		*fd_in = -1;
+	do
+		rc = poll(&pfd, 1, timeout_ms);
+	while (rc < 0 && errno == EINTR);
+	if (rc < 0)
+		return -errno;
+	if (rc == 0)
+		return -ETIMEDOUT;
+	uint8_t *buf = malloc(BBT_RECV_CAP);
+	if (!buf)
+		return -ENOMEM;
+	ssize_t n = msgio_recv(sock, buf, BBT_RECV_CAP, &fd, &trunc);
+	if (n <= 0) {
+		free(buf);
+		if (fd >= 0)
+			close(fd);
+		return n == 0 ? 0 : (int)n;
+	}
+	*out = trunc ? NULL : bbt_unpack_response(buf, (size_t)n);
+	free(buf);
+	if (!*out) {
+		if (fd >= 0)
+			close(fd);
+		return -EBADMSG;
+	}
+	if (fd_in)
+		*fd_in = fd;
+	else if (fd >= 0)
+		close(fd);
+	return 1;
+}
+
+int bbt_raw_hello(int sock, uint64_t req_id, uint32_t major)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Hello hello = BUFBROKER__HELLO__INIT;
+	Bufbroker__Response *resp;
+
+	hello.version_major = major;
+	hello.version_minor = 0;
+	hello.client_name = "bbt-raw";
+	req.id = req_id;
+	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
+	req.hello = &hello;
+	if (bbt_raw_send(sock, &req, -1) < 0)
+		return BB_ERR_DISCONNECTED;
+	if (bbt_raw_recv(sock, 3000, &resp, NULL) != 1)
+		return BB_ERR_DISCONNECTED;
+	int code = resp->id != req_id ? BB_ERR_PROTOCOL
+		   : resp->status     ? resp->status->code
+				      : BB_ERR_PROTOCOL;
+	bufbroker__response__free_unpacked(resp, NULL);
+	return code;
+}
+
+bool bbt_raw_closed(int sock, int timeout_ms)
+{
+	int64_t deadline = bbt_now_ms() + timeout_ms;
+	for (;;) {
+		Bufbroker__Response *resp;
+		int64_t left = deadline - bbt_now_ms();
+		int rc = bbt_raw_recv(sock, left > 0 ? (int)left : 0, &resp, NULL);
+		if (rc == 0 || rc == -ECONNRESET)
+			return true;
+		if (rc == 1) {
+			/* A stray response before the close: keep reading. */
+			bufbroker__response__free_unpacked(resp, NULL);
+			continue;
+		}
+		if (rc != -EBADMSG)
+			return false;
+	}
+}
+
+/* ---- small things --------------------------------------------------------- */
+
+static uint8_t pattern_byte(size_t i, uint32_t seed)
+{
+	uint32_t x = (uint32_t)i * 2654435761u ^ seed * 40503u;
+	return (uint8_t)(x >> 13 ^ x);
+}
+
+void bbt_fill(void *p, size_t n, uint32_t seed)
+{
+	uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		b[i] = pattern_byte(i, seed);
+}
+
+bool bbt_check(const void *p, size_t n, uint32_t seed)
+{
+	const uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		if (b[i] != pattern_byte(i, seed))
+			return false;
+	return true;
+}

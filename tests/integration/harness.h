@@ -1,0 +1,156 @@
+/*
+ * Integration-test harness: a real bufbrokerd on a temporary socket, child
+ * processes that report through exit codes, and a raw SOCK_SEQPACKET peer
+ * for protocol tests.
+ *
+ * Functions marked "asserts" fail the calling Criterion test on error and
+ * may only be used in the test's own process. Everything else is safe in a
+ * forked child, which must end with _exit (Criterion asserts in a child do
+ * not reach the runner).
+ */
+#ifndef BB_TEST_HARNESS_H
+#define BB_TEST_HARNESS_H
+
+#include <limits.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "bufbroker.pb-c.h"
+#include "bufbroker/bufbroker.h"
+
+#define BBT_MAX_ARGS 16
+
+/* One daemon under test. */
+typedef struct bbt_daemon {
+	char dir[128];                  /* fresh mkdtemp directory, removed by bbt_cleanup */
+	char sock[160];                 /* dir/bb.sock, passed with --socket */
+	char log[160];                  /* dir/daemon.log: the daemon's stdout and stderr */
+	const char *args[BBT_MAX_ARGS]; /* extra arguments, NULL-terminated */
+	pid_t pid;                      /* the running daemon, or -1 */
+} bbt_daemon;
+
+/* ---- the daemon ------------------------------------------------------- */
+
+/* Start $BUFBROKERD with --socket in a new temporary directory plus the
+ * NULL-terminated extra arguments (may be NULL), and wait (up to 5 s) until
+ * the socket accepts connections. Asserts. The daemon is registered for
+ * bbt_cleanup and dies with the test process (PR_SET_PDEATHSIG). */
+bbt_daemon *bbt_start(const char *const *extra);
+/* Start the daemon again on the same socket path and arguments after it
+ * was stopped or killed; its log is appended to. Asserts. */
+void bbt_restart(bbt_daemon *d);
+/* SIGTERM and reap (up to 5 s, then SIGKILL). Returns the wait status, or
+ * -1 when it had to be killed. */
+int bbt_stop(bbt_daemon *d);
+/* SIGTERM and assert a clean exit (status 0); dumps the log otherwise. */
+void bbt_stop_clean(bbt_daemon *d);
+/* SIGKILL and reap. */
+void bbt_kill(bbt_daemon *d);
+/* Print the tail of the daemon's log to stderr (for failure reports). */
+void bbt_dump_log(const bbt_daemon *d);
+/* Current size of the log, to look at what came after a point. */
+size_t bbt_log_size(const bbt_daemon *d);
+/* Poll (up to timeout_ms) for a line of the log that starts at or after
+ * byte offset `from` and contains every one of the NULL-terminated needles
+ * (case-insensitive). */
+bool bbt_log_wait_line(const bbt_daemon *d, size_t from, int timeout_ms,
+		       const char *const *needles);
+/* memfds the daemon process has open (from /proc/PID/fd), or -1. */
+int bbt_daemon_memfds(const bbt_daemon *d);
+/* Kill any daemon still running and remove the temporary directories.
+ * Use as every suite's .fini. */
+void bbt_cleanup(void);
+
+/* bb_connect to d's socket; asserts success. */
+bb_client *bbt_connect(const bbt_daemon *d);
+
+/* ---- children ----------------------------------------------------------- */
+
+/* Fork; the child runs fn(arg) and _exits with its return value. */
+pid_t bbt_spawn(int (*fn)(void *arg), void *arg);
+/* Reap pid: its exit code, 128 + signal number when a signal killed it,
+ * or -1 when it was still running after timeout_ms (it is then killed). */
+int bbt_join(pid_t pid, int timeout_ms);
+
+/* A bidirectional channel between a test and its child (socketpair).
+ * Both sides may use both ends; by convention the parent uses fd[0]. */
+typedef struct bbt_chan {
+	int fd[2];
+} bbt_chan;
+void bbt_chan_open(bbt_chan *ch); /* asserts */
+void bbt_chan_close(bbt_chan *ch);
+/* Whole-message send and receive; 0 or -1 (receive: also on timeout or
+ * end of stream). timeout_ms < 0 waits forever. */
+int bbt_send(int fd, const void *p, size_t n);
+int bbt_recv(int fd, void *p, size_t n, int timeout_ms);
+
+/* ---- time ----------------------------------------------------------------- */
+
+int64_t bbt_now_ms(void);
+void bbt_sleep_ms(int ms);
+
+/* ---- daemon state through a client ------------------------------------- */
+
+/* Poll bb_stat until it answers something else than 0 or timeout_ms passed;
+ * returns the last code (BB_ERR_NOT_FOUND once the buffer is gone). */
+int bbt_stat_until_gone(bb_client *c, uint64_t id, int timeout_ms);
+/* Poll bb_stat until refs == want; returns the last refs seen (or the
+ * negative bb_stat error). */
+int64_t bbt_refs_until(bb_client *c, uint64_t id, uint64_t want, int timeout_ms);
+/* bb_stat's refs, or the negative error. */
+int64_t bbt_refs(bb_client *c, uint64_t id);
+
+/* The daemon's ServerStatus, summed. */
+typedef struct bbt_totals {
+	uint64_t buffers; /* all kinds */
+	uint64_t bytes;   /* all kinds */
+	uint64_t host_buffers;
+	uint32_t connections;
+	uint64_t tokens;
+	uint64_t waits;
+	uint32_t pid;
+} bbt_totals;
+/* 0 or the bbc_call / Status error. */
+int bbt_server_totals(bb_client *c, bbt_totals *out);
+/* Poll ServerStatus until buffers, tokens and waits are all 0 and
+ * connections == conns; returns true when reached, *last gets the last
+ * answer. */
+bool bbt_totals_until_idle(bb_client *c, uint32_t conns, int timeout_ms, bbt_totals *last);
+
+/* ---- raw protocol peer ---------------------------------------------------- */
+
+/* A SOCK_SEQPACKET connection to path: the fd, or -errno. */
+int bbt_raw_connect(const char *path);
+/* Send these bytes as one datagram with attach_fd unless < 0: 0 or -errno. */
+int bbt_raw_send_bytes(int sock, const void *buf, size_t len, int attach_fd);
+/* Pack req and send it as one datagram: 0 or -errno. */
+int bbt_raw_send(int sock, const Bufbroker__Request *req, int attach_fd);
+/* Wait up to timeout_ms for one datagram. 1: *out is a decoded response
+ * (free with bufbroker__response__free_unpacked(*out, NULL)) and *fd_in an
+ * attached fd or -1 (fd_in may be NULL: then it is closed); 0: end of
+ * stream (the daemon closed the connection); -ETIMEDOUT; -EBADMSG: the
+ * datagram did not decode; other -errno. */
+int bbt_raw_recv(int sock, int timeout_ms, Bufbroker__Response **out, int *fd_in);
+/* Hello with the given major version as request id req_id; returns the
+ * response status code, or a negative errno-based BB_ERR_DISCONNECTED when
+ * no response came. */
+int bbt_raw_hello(int sock, uint64_t req_id, uint32_t major);
+/* True when the daemon closed sock: recv gives 0 within timeout_ms. */
+bool bbt_raw_closed(int sock, int timeout_ms);
+
+/* Packed bytes of req (malloc'd; free them); *len gets the size. */
+uint8_t *bbt_pack_request(const Bufbroker__Request *req, size_t *len);
+/* NULL when buf does not decode as a Response. */
+Bufbroker__Response *bbt_unpack_response(const void *buf, size_t len);
+/* NULL when buf does not decode as a Request. */
+Bufbroker__Request *bbt_unpack_request(const void *buf, size_t len);
+
+/* ---- small things --------------------------------------------------------- */
+
+/* Fill p with a pattern derived from seed; check it back (true: matches). */
+void bbt_fill(void *p, size_t n, uint32_t seed);
+bool bbt_check(const void *p, size_t n, uint32_t seed);
+
+#endif /* BB_TEST_HARNESS_H */

@@ -1,0 +1,436 @@
+/*
+ * Bad input on the wire: each malformed or out-of-order datagram gets the
+ * documented Response (BB_ERR_PROTOCOL, a sentence, the documented id), the
+ * connection is closed or kept as documented, the daemon logs it, and a
+ * well-behaved client connected all along keeps working.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "wire.h"
+
+TestSuite(badinput, .fini = bbt_cleanup, .timeout = 30);
+
+/* A daemon, a well-behaved client holding a buffer, and a raw peer that
+ * said Hello (unless hello is false). */
+struct rig {
+	bbt_daemon *d;
+	bb_client *good;
+	bb_buf *held;
+	int raw;
+};
+
+static void rig_up(struct rig *r, bool hello)
+{
+	bb_alloc_opts o = {.size = 4096, .kind = BB_HOST, .name = "bbt-bystander"};
+
+	r->d = bbt_start(NULL);
+	r->good = bbt_connect(r->d);
+	cr_assert_eq(bb_alloc(r->good, &o, &r->held), 0, "bb_alloc: %s", bb_last_error());
+	r->raw = bbt_raw_connect(r->d->sock);
+	cr_assert_geq(r->raw, 0, "raw connect: %s", strerror(-r->raw));
+	if (hello)
+		cr_assert_eq(bbt_raw_hello(r->raw, 1, BB_PROTO_MAJOR), 0, "Hello was refused");
+}
+
+/* The well-behaved client still allocates, maps, stats and frees, and the
+ * buffer it held all along is intact. */
+static void good_client_works(struct rig *r, const char *after)
+{
+	bb_alloc_opts o = {.size = 8192, .kind = BB_HOST};
+	bb_buf *b = NULL;
+	bb_info info;
+	void *p;
+
+	int rc = bb_alloc(r->good, &o, &b);
+	cr_assert_eq(rc, 0, "after %s, the good client's alloc failed: %d (%s)", after, rc,
+		     bb_last_error());
+	cr_assert_eq(bb_map(b, &p), 0, "after %s: bb_map", after);
+	memset(p, 1, 8192);
+	cr_assert_eq(bb_stat(r->good, bb_id(b), &info), 0, "after %s: bb_stat", after);
+	cr_assert_eq(info.refs, 1);
+	uint64_t id = bb_id(b);
+	bb_unref(b);
+	cr_assert_eq(bb_stat(r->good, id, &info), BB_ERR_NOT_FOUND, "after %s: the free", after);
+	/* A closed raw peer may have opened it; its close is processed
+	 * asynchronously. */
+	cr_assert_eq(bbt_refs_until(r->good, bb_id(r->held), 1, 2000), 1,
+		     "after %s: the held buffer's refs", after);
+}
+
+static void rig_down(struct rig *r)
+{
+	if (r->raw >= 0)
+		close(r->raw);
+	bb_unref(r->held);
+	bb_disconnect(r->good);
+	bbt_stop_clean(r->d);
+}
+
+/* Receive the answer to a bad datagram: BB_ERR_PROTOCOL with a message that
+ * contains needle, for request id want_id. */
+static void expect_protocol_error(int raw, uint64_t want_id, const char *needle, const char *what)
+{
+	Bufbroker__Response *resp = NULL;
+	int rc = bbt_raw_recv(raw, 3000, &resp, NULL);
+	cr_assert_neq(rc, -ETIMEDOUT, "%s: no response within 3 s", what);
+	cr_assert_neq(rc, 0, "%s: the daemon closed without a response", what);
+	cr_assert_eq(rc, 1, "%s: receiving the response: %s", what, strerror(-rc));
+	cr_assert_not_null(resp->status, "%s: a Response without a Status", what);
+	int code = resp->status->code;
+	char msg[512];
+	snprintf(msg, sizeof(msg), "%s", resp->status->message ? resp->status->message : "");
+	uint64_t id = resp->id;
+	int result = resp->result_case;
+	bufbroker__response__free_unpacked(resp, NULL);
+	cr_assert_eq(code, BB_ERR_PROTOCOL, "%s: status %d (\"%s\"), want BB_ERR_PROTOCOL", what,
+		     code, msg);
+	cr_assert_neq(msg[0], '\0', "%s: an empty error message", what);
+	cr_assert(strcasestr(msg, needle), "%s: message \"%s\" does not mention \"%s\"", what, msg,
+		  needle);
+	cr_assert_eq(id, want_id, "%s: response id %llu, want %llu", what, (unsigned long long)id,
+		     (unsigned long long)want_id);
+	cr_assert_eq(result, BUFBROKER__RESPONSE__RESULT__NOT_SET, "%s: an error with a result",
+		     what);
+}
+
+/* The raw connection still answers a request. */
+static void expect_open(int raw, const char *what)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
+	Bufbroker__Response *resp = NULL;
+
+	req.id = 991;
+	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
+	req.server_status = &ss;
+	cr_assert_eq(bbt_raw_send(raw, &req, -1), 0, "%s: the connection was closed", what);
+	int rc = bbt_raw_recv(raw, 3000, &resp, NULL);
+	cr_assert_eq(rc, 1, "%s: the connection should stay open (recv %d)", what, rc);
+	bool ok = resp->id == 991 && resp->status && resp->status->code == 0 &&
+		  resp->result_case == BUFBROKER__RESPONSE__RESULT_SERVER_STATUS;
+	bufbroker__response__free_unpacked(resp, NULL);
+	cr_assert(ok, "%s: ServerStatus on the kept connection failed", what);
+}
+
+static void expect_closed(int raw, const char *what)
+{
+	cr_assert(bbt_raw_closed(raw, 3000), "%s: the daemon should close the connection", what);
+}
+
+static void expect_logged(struct rig *r, size_t from, const char *needle, const char *what)
+{
+	const char *const needles[] = {"error", needle, NULL};
+	if (!bbt_log_wait_line(r->d, from, 2000, needles)) {
+		bbt_dump_log(r->d);
+		cr_assert_fail("%s: no log line with \"error\" and \"%s\"", what, needle);
+	}
+}
+
+Test(badinput, garbage_bytes_get_protocol_error_and_close)
+{
+	struct rig r;
+	rig_up(&r, true);
+	/* Field 1 with wire type 7, which does not exist. */
+	static const uint8_t garbage[] = {0x0f, 0xde, 0xad, 0xbe, 0xef, 0x01, 0xff, 0xff};
+	Bufbroker__Request *probe = bbt_unpack_request(garbage, sizeof(garbage));
+	cr_assert_null(probe, "the garbage decodes; the test is wrong");
+
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_send_bytes(r.raw, garbage, sizeof(garbage), -1), 0);
+	expect_protocol_error(r.raw, 0, "decode", "garbage");
+	expect_closed(r.raw, "garbage");
+	expect_logged(&r, from, "decode", "garbage");
+	good_client_works(&r, "garbage");
+	rig_down(&r);
+}
+
+Test(badinput, empty_datagram_gets_protocol_error_and_connection_stays)
+{
+	struct rig r;
+	rig_up(&r, true);
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_send_bytes(r.raw, "", 0, -1), 0);
+	expect_protocol_error(r.raw, 0, "empty", "an empty datagram");
+	expect_open(r.raw, "an empty datagram");
+	expect_logged(&r, from, "empty", "an empty datagram");
+	good_client_works(&r, "an empty datagram");
+	rig_down(&r);
+}
+
+/* A SetError request whose packed size is exactly `size` bytes. */
+static uint8_t *set_error_of_size(size_t size, size_t *len)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__SetError se = BUFBROKER__SET_ERROR__INIT;
+	char *msg = malloc(size + 1);
+	cr_assert_not_null(msg);
+	se.id = 0x7ffffff0;
+	se.message = msg;
+	req.id = 77;
+	req.op_case = BUFBROKER__REQUEST__OP_SET_ERROR;
+	req.set_error = &se;
+	/* The length prefixes grow with the message: converge on the size. */
+	size_t m = size - 16;
+	for (int i = 0;; i++) {
+		cr_assert_lt(i, 50, "cannot make a request of exactly %zu bytes", size);
+		memset(msg, 'x', m);
+		msg[m] = '\0';
+		size_t packed = bufbroker__request__get_packed_size(&req);
+		if (packed == size)
+			break;
+		if (packed > size)
+			m -= packed - size;
+		else
+			m += size - packed;
+	}
+	uint8_t *buf = bbt_pack_request(&req, len);
+	free(msg);
+	return buf;
+}
+
+Test(badinput, oversized_datagram_gets_protocol_error_and_close)
+{
+	struct rig r;
+	rig_up(&r, true);
+	int sndbuf = 1 << 20;
+	setsockopt(r.raw, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
+
+	/* Exactly the limit is allowed: an ordinary NOT_FOUND answer. */
+	size_t len;
+	uint8_t *buf = set_error_of_size(BB_MAX_DATAGRAM, &len);
+	cr_assert_eq(len, (size_t)BB_MAX_DATAGRAM);
+	cr_assert_eq(bbt_raw_send_bytes(r.raw, buf, len, -1), 0);
+	free(buf);
+	Bufbroker__Response *resp = NULL;
+	cr_assert_eq(bbt_raw_recv(r.raw, 3000, &resp, NULL), 1,
+		     "no answer to a 65536-byte request");
+	int code = resp->status ? resp->status->code : 99;
+	uint64_t id = resp->id;
+	bufbroker__response__free_unpacked(resp, NULL);
+	cr_assert_eq(id, 77);
+	cr_assert_eq(code, BB_ERR_NOT_FOUND, "a request of exactly 65536 bytes: status %d", code);
+
+	buf = set_error_of_size(BB_MAX_DATAGRAM + 4000, &len);
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_send_bytes(r.raw, buf, len, -1), 0, "sending %zu bytes", len);
+	free(buf);
+	expect_protocol_error(r.raw, 0, "larger than 65536", "an oversized datagram");
+	expect_closed(r.raw, "an oversized datagram");
+	expect_logged(&r, from, "65536", "an oversized datagram");
+	good_client_works(&r, "an oversized datagram");
+	rig_down(&r);
+}
+
+Test(badinput, truncated_message_gets_protocol_error_and_close)
+{
+	struct rig r;
+	rig_up(&r, true);
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Alloc al = BUFBROKER__ALLOC__INIT;
+	al.size = 4096;
+	al.kind = BUFBROKER__KIND__KIND_HOST;
+	al.name = "bbt-truncated-request-name";
+	req.id = 5;
+	req.op_case = BUFBROKER__REQUEST__OP_ALLOC;
+	req.alloc = &al;
+	size_t len;
+	uint8_t *buf = bbt_pack_request(&req, &len);
+	size_t cut = len - 6;
+	Bufbroker__Request *probe = bbt_unpack_request(buf, cut);
+	cr_assert_null(probe, "the truncated request decodes; the test is wrong");
+
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_send_bytes(r.raw, buf, cut, -1), 0);
+	free(buf);
+	expect_protocol_error(r.raw, 0, "decode", "a truncated request");
+	expect_closed(r.raw, "a truncated request");
+	expect_logged(&r, from, "decode", "a truncated request");
+	bb_info info;
+	cr_assert_eq(bb_stat(r.good, 0, &info), BB_ERR_NOT_FOUND);
+	good_client_works(&r, "a truncated request");
+	rig_down(&r);
+}
+
+Test(badinput, request_without_known_op_gets_protocol_error_and_connection_stays)
+{
+	struct rig r;
+	rig_up(&r, true);
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	req.id = 7;
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	expect_protocol_error(r.raw, 7, "op", "a request with no op");
+	expect_open(r.raw, "a request with no op");
+	expect_logged(&r, from, "op", "a request with no op");
+	good_client_works(&r, "a request with no op");
+
+	/* An op from a later protocol: field 99, unknown to this schema. */
+	size_t len;
+	req.id = 8;
+	uint8_t *buf = bbt_pack_request(&req, &len);
+	uint8_t *ext = malloc(len + 3);
+	cr_assert_not_null(ext);
+	memcpy(ext, buf, len);
+	ext[len] = 0x98; /* tag (99 << 3 | varint), little-endian base 128 */
+	ext[len + 1] = 0x06;
+	ext[len + 2] = 0x01;
+	free(buf);
+	cr_assert_eq(bbt_raw_send_bytes(r.raw, ext, len + 3, -1), 0);
+	free(ext);
+	expect_protocol_error(r.raw, 8, "op", "a request with an unknown op");
+	expect_open(r.raw, "a request with an unknown op");
+	good_client_works(&r, "a request with an unknown op");
+	rig_down(&r);
+}
+
+Test(badinput, request_before_hello_gets_protocol_error_and_close)
+{
+	struct rig r;
+	rig_up(&r, false);
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Stat st = BUFBROKER__STAT__INIT;
+	st.target_case = BUFBROKER__STAT__TARGET_ID;
+	st.id = bb_id(r.held);
+	req.id = 3;
+	req.op_case = BUFBROKER__REQUEST__OP_STAT;
+	req.stat = &st;
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	expect_protocol_error(r.raw, 3, "hello", "a request before Hello");
+	expect_closed(r.raw, "a request before Hello");
+	expect_logged(&r, from, "hello", "a request before Hello");
+	good_client_works(&r, "a request before Hello");
+	rig_down(&r);
+}
+
+Test(badinput, wrong_protocol_major_gets_protocol_error_and_close)
+{
+	struct rig r;
+	rig_up(&r, false);
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Hello hello = BUFBROKER__HELLO__INIT;
+	hello.version_major = BB_PROTO_MAJOR + 1;
+	hello.client_name = "from-the-future";
+	req.id = 4;
+	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
+	req.hello = &hello;
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	expect_protocol_error(r.raw, 4, "not supported", "Hello with major 2");
+	expect_closed(r.raw, "Hello with major 2");
+	expect_logged(&r, from, "not supported", "Hello with major 2");
+	good_client_works(&r, "Hello with major 2");
+	rig_down(&r);
+}
+
+Test(badinput, second_hello_gets_protocol_error_and_connection_stays)
+{
+	struct rig r;
+	rig_up(&r, true);
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_hello(r.raw, 12, BB_PROTO_MAJOR), BB_ERR_PROTOCOL, "a second Hello");
+	expect_open(r.raw, "a second Hello");
+	expect_logged(&r, from, "hello", "a second Hello");
+	good_client_works(&r, "a second Hello");
+	rig_down(&r);
+}
+
+Test(badinput, fd_attached_to_other_request_is_closed_with_protocol_error)
+{
+	struct rig r;
+	rig_up(&r, true);
+	int pfd[2];
+	cr_assert_eq(pipe2(pfd, O_CLOEXEC | O_NONBLOCK), 0);
+
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
+	req.id = 21;
+	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
+	req.server_status = &ss;
+	size_t from = bbt_log_size(r.d);
+	cr_assert_eq(bbt_raw_send(r.raw, &req, pfd[0]), 0);
+	close(pfd[0]);
+	expect_protocol_error(r.raw, 21, "file descriptor", "an fd on ServerStatus");
+	expect_open(r.raw, "an fd on ServerStatus");
+	expect_logged(&r, from, "file descriptor", "an fd on ServerStatus");
+
+	/* The daemon closed its copy of the read end: the pipe has no reader. */
+	struct pollfd p = {.fd = pfd[1], .events = POLLOUT};
+	int64_t deadline = bbt_now_ms() + 2000;
+	while (!(p.revents & POLLERR) && bbt_now_ms() < deadline) {
+		poll(&p, 1, 50);
+	}
+	close(pfd[1]);
+	cr_assert(p.revents & POLLERR, "the daemon kept the unexpected fd open");
+	good_client_works(&r, "an fd on ServerStatus");
+	rig_down(&r);
+}
+
+/* Send ServerStatus id 5000 and read until its answer: true, or false when
+ * the daemon closed the connection. Fails the test when nothing comes. */
+static bool ping_answered(int raw, int conn, int i)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
+	req.id = 5000;
+	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
+	req.server_status = &ss;
+	if (bbt_raw_send(raw, &req, -1) < 0)
+		return false;
+	for (;;) {
+		Bufbroker__Response *resp = NULL;
+		int rc = bbt_raw_recv(raw, 3000, &resp, NULL);
+		cr_assert_neq(rc, -ETIMEDOUT, "connection %d, datagram %d: the daemon went silent",
+			      conn, i);
+		if (rc != 1)
+			return false;
+		cr_assert_not_null(resp->status, "a Response without a Status");
+		bool mine = resp->id == 5000;
+		bufbroker__response__free_unpacked(resp, NULL);
+		if (mine)
+			return true;
+	}
+}
+
+Test(badinput, daemon_survives_a_stream_of_random_datagrams)
+{
+	struct rig r;
+	rig_up(&r, false);
+	close(r.raw);
+	r.raw = -1;
+	unsigned seed = 12345;
+	uint8_t buf[512];
+
+	for (int conn = 0; conn < 20; conn++) {
+		int raw = bbt_raw_connect(r.d->sock);
+		cr_assert_geq(raw, 0, "connection %d refused: %s", conn, strerror(-raw));
+		if (conn % 2)
+			cr_assert_eq(bbt_raw_hello(raw, 1, BB_PROTO_MAJOR), 0);
+		for (int i = 0; i < 20; i++) {
+			size_t len = (size_t)(rand_r(&seed) % sizeof(buf));
+			for (size_t k = 0; k < len; k++)
+				buf[k] = (uint8_t)rand_r(&seed);
+			if (bbt_raw_send_bytes(raw, buf, len, -1) < 0)
+				break; /* closed by the daemon */
+			/* Random bytes may decode as a no_reply request: a ping
+			 * after each tells the answers apart from silence. */
+			if (!ping_answered(raw, conn, i))
+				break; /* closed by the daemon */
+		}
+		close(raw);
+	}
+	good_client_works(&r, "random datagrams");
+	rig_down(&r);
+}

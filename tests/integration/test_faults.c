@@ -1,0 +1,584 @@
+/*
+ * Faults: clients killed while holding buffers or mid-operation give
+ * everything back; a killed daemon makes every call answer
+ * BB_ERR_DISCONNECTED promptly (no hang, no SIGPIPE) while host mappings
+ * stay valid; a restarted daemon serves the same path; SIGTERM with live
+ * clients is a clean exit.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+#define CHILD_TIMEOUT_MS 8000
+#define PROMPT_MS 1000 /* "promptly": each call after the daemon died */
+
+TestSuite(faults, .fini = bbt_cleanup, .timeout = 40);
+
+struct ctx {
+	const char *sock;
+	uint64_t id; /* a buffer of the parent's */
+	uint32_t seed;
+	size_t size;
+	bbt_chan ch;
+};
+
+static bb_buf *alloc_host(bb_client *c, size_t size, const char *name)
+{
+	bb_alloc_opts o = {.size = size, .kind = BB_HOST, .name = name};
+	bb_buf *b = NULL;
+	int rc = bb_alloc(c, &o, &b);
+	cr_assert_eq(rc, 0, "bb_alloc: %d (%s)", rc, bb_last_error());
+	return b;
+}
+
+/* The default SIGPIPE disposition, unblocked: a library call that raises
+ * SIGPIPE kills the process. */
+static void default_sigpipe(void)
+{
+	sigset_t s;
+	signal(SIGPIPE, SIG_DFL);
+	sigemptyset(&s);
+	sigaddset(&s, SIGPIPE);
+	sigprocmask(SIG_UNBLOCK, &s, NULL);
+}
+
+static void join_thread_within(pthread_t th, int seconds, const char *what)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	ts.tv_sec += seconds;
+	cr_assert_eq(pthread_timedjoin_np(th, NULL, &ts), 0, "%s did not return within %d s", what,
+		     seconds);
+}
+
+/* ---- killed clients ------------------------------------------------------ */
+
+/* Holds buffers several ways, reports their ids, then waits to be killed. */
+static int hoarder_child(void *arg)
+{
+	struct ctx *x = arg;
+	bb_client *c = NULL;
+	bb_buf *a = NULL, *n = NULL, *p = NULL, *w = NULL;
+	bb_alloc_opts o = {.size = 65536, .kind = BB_HOST};
+	uint64_t ids[3];
+	void *m;
+
+	if (bb_connect(x->sock, &c) != 0)
+		return 10;
+	if (bb_alloc(c, &o, &a) != 0 || bb_map(a, &m) != 0)
+		return 11;
+	memset(m, 7, o.size);
+	bb_ref(a);
+	bb_ref(a);
+	o.name = "bbt-hoarded";
+	if (bb_alloc(c, &o, &n) != 0 || bb_retain(c, bb_id(n), 5) != 0)
+		return 12;
+	o.name = NULL;
+	if (bb_alloc(c, &o, &w) != 0) /* stays PENDING */
+		return 13;
+	if (bb_open(c, x->id, &p) != 0 || bb_map(p, &m) != 0)
+		return 14;
+	ids[0] = bb_id(a);
+	ids[1] = bb_id(n);
+	ids[2] = bb_id(w);
+	if (bbt_send(x->ch.fd[1], ids, sizeof(ids)) != 0)
+		return 15;
+	for (;;)
+		pause();
+}
+
+Test(faults, killed_client_gives_back_everything_it_held)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	struct ctx x = {.sock = d->sock};
+	uint64_t ids[3];
+	bbt_totals t;
+	int memfds0 = bbt_daemon_memfds(d);
+
+	bb_buf *p = alloc_host(c, 4096, NULL);
+	x.id = bb_id(p);
+	bbt_chan_open(&x.ch);
+	pid_t pid = bbt_spawn(hoarder_child, &x);
+	cr_assert_eq(bbt_recv(x.ch.fd[0], ids, sizeof(ids), CHILD_TIMEOUT_MS), 0,
+		     "the hoarder did not report (exit %d)", bbt_join(pid, 0));
+	cr_assert_eq(bbt_refs(c, x.id), 2);
+	cr_assert_eq(bbt_server_totals(c, &t), 0);
+	cr_assert_eq(t.buffers, 4);
+	cr_assert_eq(t.connections, 2);
+
+	kill(pid, SIGKILL);
+	cr_assert_eq(bbt_join(pid, CHILD_TIMEOUT_MS), 128 + SIGKILL);
+	bbt_chan_close(&x.ch);
+	static const char *what[] = {"a buffer with local copies", "a buffer with raw counts",
+				     "a PENDING buffer"};
+	for (int i = 0; i < 3; i++)
+		cr_assert_eq(bbt_stat_until_gone(c, ids[i], 2000), BB_ERR_NOT_FOUND,
+			     "%s of the killed client survived it", what[i]);
+	cr_assert_eq(bbt_refs_until(c, x.id, 1, 2000), 1,
+		     "the killed client's count on our buffer");
+	bb_unref(p);
+	cr_assert(bbt_totals_until_idle(c, 1, 2000, &t),
+		  "not idle: %llu buffers, %llu bytes, %u connections, %llu waits",
+		  (unsigned long long)t.buffers, (unsigned long long)t.bytes, t.connections,
+		  (unsigned long long)t.waits);
+	cr_assert_eq(bbt_daemon_memfds(d), memfds0, "memfds left open in the daemon");
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+/* Several threads doing everything at once, until SIGKILL. */
+struct busy {
+	struct ctx *x;
+	bb_client *c;
+	int index;
+};
+
+static void *busy_thread(void *arg)
+{
+	struct busy *bz = arg;
+	unsigned seed = (unsigned)bz->index;
+	for (unsigned i = 0;; i++) {
+		char name[64];
+		snprintf(name, sizeof(name), "bbt-busy-%d-%u", bz->index, i);
+		bb_alloc_opts o = {.size = 4096u << (rand_r(&seed) % 6),
+				   .kind = BB_HOST,
+				   .name = i % 3 ? NULL : name};
+		bb_buf *b = NULL, *q = NULL;
+		bb_token t;
+		bb_info info;
+		bb_state st;
+		void *m;
+		if (bb_alloc(bz->c, &o, &b) != 0)
+			continue;
+		if (bb_map(b, &m) == 0)
+			memset(m, (int)i, o.size);
+		if (bb_take(bb_ref(b), &t) == 0 && i % 2 && bb_adopt(bz->c, &t, &q) == 0)
+			bb_unref(q);
+		bb_retain(bz->c, bb_id(b), 2);
+		bb_stat(bz->c, bb_id(b), &info);
+		bb_release(bz->c, bb_id(b), 1);
+		if (i % 4 == 0)
+			bb_set_ready(b);
+		bb_wait(b, 0, &st);
+		if (bb_open(bz->c, bz->x->id, &q) == 0) {
+			bb_wait(q, 1, &st);
+			bb_unref(q);
+		}
+		/* One raw count stays with the connection on purpose. */
+		bb_unref(b);
+		if (i == 1 && bz->index == 0)
+			bbt_send(bz->x->ch.fd[1], "r", 1);
+	}
+	return NULL;
+}
+
+/* Parks in bb_wait(-1) on the parent's PENDING buffer. */
+static void *parked_thread(void *arg)
+{
+	struct busy *bz = arg;
+	bb_buf *q = NULL;
+	bb_state st;
+	if (bb_open(bz->c, bz->x->id, &q) == 0)
+		bb_wait(q, -1, &st);
+	return NULL;
+}
+
+static int busy_child(void *arg)
+{
+	struct ctx *x = arg;
+	bb_client *c = NULL;
+	struct busy bz[4];
+	pthread_t th[4];
+
+	if (bb_connect(x->sock, &c) != 0)
+		return 10;
+	for (int i = 0; i < 4; i++) {
+		bz[i] = (struct busy){.x = x, .c = c, .index = i};
+		if (pthread_create(&th[i], NULL, i == 3 ? parked_thread : busy_thread, &bz[i]) != 0)
+			return 11;
+	}
+	for (;;)
+		pause();
+}
+
+Test(faults, client_killed_mid_operation_leaves_no_trace)
+{
+	static const char *const args[] = {"--token-ttl", "200", NULL};
+	bbt_daemon *d = bbt_start(args);
+	bb_client *c = bbt_connect(d);
+	struct ctx x = {.sock = d->sock};
+	bbt_totals t;
+	char r;
+	int memfds0 = bbt_daemon_memfds(d);
+
+	bb_buf *p = alloc_host(c, 4096, "bbt-parent-pending");
+	x.id = bb_id(p);
+	static const int delays[] = {30, 110, 260};
+	for (int round = 0; round < 3; round++) {
+		bbt_chan_open(&x.ch);
+		pid_t pid = bbt_spawn(busy_child, &x);
+		cr_assert_eq(bbt_recv(x.ch.fd[0], &r, 1, CHILD_TIMEOUT_MS), 0,
+			     "round %d: the busy child did not get going (exit %d)", round,
+			     bbt_join(pid, 0));
+		bbt_sleep_ms(delays[round]);
+		kill(pid, SIGKILL);
+		cr_assert_eq(bbt_join(pid, CHILD_TIMEOUT_MS), 128 + SIGKILL);
+		bbt_chan_close(&x.ch);
+	}
+	cr_assert_eq(bbt_refs_until(c, x.id, 1, 2000), 1, "killed clients' counts on our buffer");
+	cr_assert_eq(bb_set_ready(p), 0, "the buffer the killed clients waited on still works");
+	bb_unref(p);
+	/* Tokens outlive their makers until the 200 ms TTL. */
+	cr_assert(bbt_totals_until_idle(c, 1, 3000, &t),
+		  "not idle: %llu buffers, %llu bytes, %u connections, %llu tokens, %llu waits",
+		  (unsigned long long)t.buffers, (unsigned long long)t.bytes, t.connections,
+		  (unsigned long long)t.tokens, (unsigned long long)t.waits);
+	cr_assert_eq(bbt_daemon_memfds(d), memfds0, "memfds left open in the daemon");
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+/* ---- a killed daemon ----------------------------------------------------------- */
+
+struct parked {
+	bb_buf *b;
+	int rc;
+	int64_t done_ms;
+};
+
+static void *wait_forever(void *arg)
+{
+	struct parked *pk = arg;
+	bb_state st;
+	pk->rc = bb_wait(pk->b, -1, &st);
+	pk->done_ms = bbt_now_ms();
+	return NULL;
+}
+
+#define TIMED(what, expr)                                                                         \
+	do {                                                                                      \
+		int64_t t0_ = bbt_now_ms();                                                       \
+		int rc_ = (expr);                                                                 \
+		int64_t took_ = bbt_now_ms() - t0_;                                               \
+		cr_assert_eq(rc_, BB_ERR_DISCONNECTED, "%s after the daemon died: %d (%s)", what, \
+			     rc_, bb_last_error());                                               \
+		cr_assert_lt(took_, PROMPT_MS, "%s took %lld ms after the daemon died", what,     \
+			     (long long)took_);                                                   \
+	} while (0)
+
+Test(faults, every_call_answers_disconnected_promptly_after_daemon_death)
+{
+	default_sigpipe();
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	bb_buf *got = NULL;
+	bb_token tok;
+	bb_info info;
+	bb_state st;
+	bbt_totals t;
+
+	bb_buf *b = alloc_host(c, 65536, "bbt-survivor");
+	void *m = NULL;
+	cr_assert_eq(bb_map(b, &m), 0);
+	bbt_fill(m, 65536, 99);
+	cr_assert_eq(bb_set_ready(b), 0);
+	bb_buf *pend = alloc_host(c, 4096, NULL);
+	cr_assert_eq(bb_take(bb_ref(b), &tok), 0);
+
+	struct parked pk = {.b = pend};
+	pthread_t th;
+	cr_assert_eq(pthread_create(&th, NULL, wait_forever, &pk), 0);
+	int64_t deadline = bbt_now_ms() + 2000;
+	do {
+		bbt_sleep_ms(20);
+		cr_assert_eq(bbt_server_totals(c, &t), 0);
+	} while (t.waits != 1 && bbt_now_ms() < deadline);
+	cr_assert_eq(t.waits, 1, "the wait never parked");
+
+	int64_t killed = bbt_now_ms();
+	bbt_kill(d);
+	join_thread_within(th, 5, "bb_wait(-1) parked when the daemon died");
+	cr_assert_eq(pk.rc, BB_ERR_DISCONNECTED, "the parked bb_wait(-1) answered %d", pk.rc);
+	cr_assert_lt(pk.done_ms - killed, PROMPT_MS, "the parked bb_wait(-1) took %lld ms",
+		     (long long)(pk.done_ms - killed));
+
+	bb_alloc_opts o = {.size = 4096, .kind = BB_HOST};
+	int fd = memfd_create("bbt-late-import", MFD_ALLOW_SEALING | MFD_CLOEXEC);
+	cr_assert_geq(fd, 0);
+	cr_assert_eq(ftruncate(fd, 4096), 0);
+
+	int64_t all0 = bbt_now_ms();
+	TIMED("bb_alloc", bb_alloc(c, &o, &got));
+	TIMED("bb_import_fd", bb_import_fd(c, fd, &o, &got));
+	TIMED("bb_open", bb_open(c, bb_id(b), &got));
+	TIMED("bb_open_name", bb_open_name(c, "bbt-survivor", &got));
+	TIMED("bb_adopt", bb_adopt(c, &tok, &got));
+	TIMED("bb_stat", bb_stat(c, bb_id(b), &info));
+	TIMED("bb_retain", bb_retain(c, bb_id(b), 1));
+	TIMED("bb_release", bb_release(c, bb_id(b), 1));
+	TIMED("bb_set_ready", bb_set_ready(pend));
+	TIMED("bb_set_error", bb_set_error(pend, "too late"));
+	TIMED("bb_wait(-1)", bb_wait(pend, -1, &st));
+	TIMED("bb_wait(0)", bb_wait(pend, 0, &st));
+	TIMED("bb_wait(5000)", bb_wait(pend, 5000, &st));
+	bb_buf *extra = bb_ref(b);
+	int take_rc;
+	TIMED("bb_take", (take_rc = bb_take(extra, &tok)));
+	if (take_rc != 0)
+		bb_unref(extra); /* a failed take leaves the count with the caller */
+	cr_assert_lt(bbt_now_ms() - all0, 3 * PROMPT_MS, "all calls together took too long");
+	close(fd);
+
+	/* The mapping outlives the daemon. */
+	cr_assert(bbt_check(m, 65536, 99), "the host mapping changed after the daemon died");
+	memset(m, 0x11, 4096);
+
+	int64_t t0 = bbt_now_ms();
+	bb_unref(pend); /* last count: a fire-and-forget Release into a dead socket */
+	bb_unref(b);
+	cr_assert_lt(bbt_now_ms() - t0, PROMPT_MS, "the last bb_unref hung");
+
+	bb_client *c2 = NULL;
+	TIMED("bb_connect to the dead daemon's socket", bb_connect(d->sock, &c2));
+	bb_disconnect(c);
+}
+
+/* Maps the parent's buffer, reports, then (after the daemon died) checks
+ * that the mapping still shares bytes with the parent. */
+static int sharer_child(void *arg)
+{
+	struct ctx *x = arg;
+	bb_client *c = NULL;
+	bb_buf *b = NULL;
+	void *m;
+	char go;
+
+	if (bb_connect(x->sock, &c) != 0)
+		return 10;
+	if (bb_open(c, x->id, &b) != 0 || bb_map(b, &m) != 0)
+		return 11;
+	if (!bbt_check(m, x->size, x->seed))
+		return 12;
+	if (bbt_send(x->ch.fd[1], "m", 1) != 0)
+		return 13;
+	if (bbt_recv(x->ch.fd[1], &go, 1, CHILD_TIMEOUT_MS) != 0) /* the daemon is dead now */
+		return 14;
+	if (!bbt_check(m, x->size, x->seed + 1)) /* the parent rewrote it */
+		return 15;
+	bbt_fill(m, x->size, x->seed + 2);
+	if (bbt_send(x->ch.fd[1], "w", 1) != 0)
+		return 16;
+	if (bbt_recv(x->ch.fd[1], &go, 1, CHILD_TIMEOUT_MS) != 0)
+		return 17;
+	bb_unref(b);
+	bb_disconnect(c);
+	return 0;
+}
+
+Test(faults, host_mappings_stay_shared_after_daemon_death)
+{
+	default_sigpipe();
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	struct ctx x = {.sock = d->sock, .size = 1 << 20, .seed = 5};
+	char r;
+
+	bb_buf *b = alloc_host(c, x.size, NULL);
+	x.id = bb_id(b);
+	void *m = NULL;
+	cr_assert_eq(bb_map(b, &m), 0);
+	bbt_fill(m, x.size, x.seed);
+	bbt_chan_open(&x.ch);
+	pid_t pid = bbt_spawn(sharer_child, &x);
+	cr_assert_eq(bbt_recv(x.ch.fd[0], &r, 1, CHILD_TIMEOUT_MS), 0, "the sharer exited %d",
+		     bbt_join(pid, 0));
+
+	bbt_kill(d);
+	cr_assert(bbt_check(m, x.size, x.seed), "the mapping changed when the daemon died");
+	bbt_fill(m, x.size, x.seed + 1);
+	cr_assert_eq(bbt_send(x.ch.fd[0], "k", 1), 0);
+	cr_assert_eq(bbt_recv(x.ch.fd[0], &r, 1, CHILD_TIMEOUT_MS), 0, "the sharer exited %d",
+		     bbt_join(pid, 0));
+	cr_assert(bbt_check(m, x.size, x.seed + 2),
+		  "the other process's write after the daemon died is not visible");
+	cr_assert_eq(bbt_send(x.ch.fd[0], "q", 1), 0);
+	int code = bbt_join(pid, CHILD_TIMEOUT_MS);
+	cr_assert_eq(code, 0, "the sharer failed at step %d", code);
+	bbt_chan_close(&x.ch);
+	bb_unref(b);
+	bb_disconnect(c);
+}
+
+/* With the default SIGPIPE disposition, calls on a dead daemon. */
+static int sigpipe_child(void *arg)
+{
+	struct ctx *x = arg;
+	bb_client *c = NULL;
+	bb_buf *bufs[8];
+	bb_alloc_opts o = {.size = 4096, .kind = BB_HOST};
+	char go;
+
+	default_sigpipe();
+	if (bb_connect(x->sock, &c) != 0)
+		return 10;
+	for (int i = 0; i < 8; i++)
+		if (bb_alloc(c, &o, &bufs[i]) != 0)
+			return 11;
+	if (bbt_send(x->ch.fd[1], "r", 1) != 0)
+		return 12;
+	if (bbt_recv(x->ch.fd[1], &go, 1, CHILD_TIMEOUT_MS) != 0) /* the daemon is dead now */
+		return 13;
+	for (int round = 0; round < 20; round++) {
+		bb_buf *b = NULL;
+		bb_info info;
+		if (bb_alloc(c, &o, &b) != BB_ERR_DISCONNECTED)
+			return 20;
+		if (bb_stat(c, 1, &info) != BB_ERR_DISCONNECTED)
+			return 21;
+		if (bb_retain(c, 1, 1) != BB_ERR_DISCONNECTED)
+			return 22;
+	}
+	for (int i = 0; i < 8; i++)
+		bb_unref(bufs[i]); /* each a Release sent into the dead socket */
+	bb_disconnect(c);
+	return 0;
+}
+
+Test(faults, no_sigpipe_in_a_client_after_daemon_death)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	struct ctx x = {.sock = d->sock};
+	char r;
+
+	bbt_chan_open(&x.ch);
+	pid_t pid = bbt_spawn(sigpipe_child, &x);
+	cr_assert_eq(bbt_recv(x.ch.fd[0], &r, 1, CHILD_TIMEOUT_MS), 0, "the client exited %d",
+		     bbt_join(pid, 0));
+	bbt_kill(d);
+	cr_assert_eq(bbt_send(x.ch.fd[0], "k", 1), 0);
+	int code = bbt_join(pid, CHILD_TIMEOUT_MS);
+	cr_assert_neq(code, 128 + SIGPIPE, "a library call raised SIGPIPE");
+	cr_assert_neq(code, -1, "the client hung after the daemon died");
+	cr_assert_eq(code, 0, "the client failed at step %d", code);
+	bbt_chan_close(&x.ch);
+}
+
+Test(faults, connect_works_against_a_restarted_daemon)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	bb_buf *b = alloc_host(c, 4096, "bbt-before-restart");
+
+	bbt_kill(d); /* leaves the socket file behind */
+	bb_buf *x = NULL;
+	bb_alloc_opts o = {.size = 4096, .kind = BB_HOST};
+	cr_assert_eq(bb_alloc(c, &o, &x), BB_ERR_DISCONNECTED);
+	bb_unref(b);
+	bb_disconnect(c);
+
+	bbt_restart(d);
+	c = bbt_connect(d);
+	b = alloc_host(c, 4096, "bbt-before-restart");
+	bb_info info;
+	cr_assert_eq(bb_stat(c, bb_id(b), &info), 0);
+	cr_assert_eq(info.refs, 1);
+	bb_unref(b);
+	bb_disconnect(c);
+
+	/* And after a clean stop. */
+	bbt_stop_clean(d);
+	bbt_restart(d);
+	c = bbt_connect(d);
+	b = alloc_host(c, 4096, NULL);
+	bb_unref(b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+/* Parks on the parent's PENDING buffer; 0 when the wait ends because the
+ * daemon stopped (DISCONNECTED: a stopping daemon drops waits before it
+ * closes producers, so the answer never depends on the close order) and
+ * later calls answer DISCONNECTED too. */
+static int stopped_waiter_child(void *arg)
+{
+	struct ctx *x = arg;
+	bb_client *c = NULL;
+	bb_buf *b = NULL, *own = NULL;
+	bb_alloc_opts o = {.size = 8192, .kind = BB_HOST};
+	bb_token t;
+	bb_state st = BB_PENDING;
+	bb_info info;
+
+	if (bb_connect(x->sock, &c) != 0)
+		return 10;
+	if (bb_open(c, x->id, &b) != 0)
+		return 11;
+	if (bb_alloc(c, &o, &own) != 0 || bb_take(bb_ref(own), &t) != 0)
+		return 12;
+	if (bbt_send(x->ch.fd[1], "p", 1) != 0)
+		return 13;
+	int rc = bb_wait(b, -1, &st);
+	if (rc != BB_ERR_DISCONNECTED)
+		return rc == 0 ? 20 + (int)st : 40 - rc;
+	rc = bb_stat(c, bb_id(own), &info);
+	bb_unref(b);
+	bb_unref(own);
+	bb_disconnect(c);
+	return rc == BB_ERR_DISCONNECTED ? 0 : 60 - rc;
+}
+
+Test(faults, sigterm_with_live_clients_and_buffers_exits_zero)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	bb_client *c2 = bbt_connect(d);
+	struct ctx x = {.sock = d->sock};
+	bb_token t;
+	char r;
+
+	bb_buf *pend = alloc_host(c, 4096, "bbt-pending-at-exit");
+	x.id = bb_id(pend);
+	bb_buf *big = alloc_host(c, 4 << 20, NULL);
+	bb_buf *ready = alloc_host(c2, 4096, NULL);
+	cr_assert_eq(bb_set_ready(ready), 0);
+	cr_assert_eq(bb_retain(c2, bb_id(ready), 3), 0);
+	cr_assert_eq(bb_take(bb_ref(big), &t), 0);
+	bb_buf *failed = alloc_host(c2, 4096, NULL);
+	cr_assert_eq(bb_set_error(failed, "on purpose"), 0);
+
+	bbt_chan_open(&x.ch);
+	pid_t pid = bbt_spawn(stopped_waiter_child, &x);
+	cr_assert_eq(bbt_recv(x.ch.fd[0], &r, 1, CHILD_TIMEOUT_MS), 0, "the waiter exited %d",
+		     bbt_join(pid, 0));
+	bbt_sleep_ms(100);
+
+	bbt_stop_clean(d);
+	int code = bbt_join(pid, 3000);
+	cr_assert_eq(code, 0,
+		     "the waiter parked at SIGTERM: step %d (20 + state: answered 0; 40 - code: "
+		     "the wait's error; 60 - code: a later call's error)",
+		     code);
+	bbt_chan_close(&x.ch);
+	bb_info info;
+	cr_assert_eq(bb_stat(c, x.id, &info), BB_ERR_DISCONNECTED);
+	bb_unref(pend);
+	bb_unref(big);
+	bb_unref(ready);
+	bb_unref(failed);
+	bb_disconnect(c);
+	bb_disconnect(c2);
+}
