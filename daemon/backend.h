@@ -28,12 +28,41 @@ typedef struct backend_export {
 
 typedef struct backend backend;
 
+/* Slow work a backend hands to the server (cuMemAlloc of a new slab,
+ * cuMemFree of an old one): work runs on a worker thread and must touch
+ * only what the job owns; done runs on the loop thread afterwards and frees
+ * the job. */
+typedef struct backend_job backend_job;
+struct backend_job {
+	void (*work)(backend_job *job);
+	void (*done)(backend_job *job);
+};
+
+/* What alloc returns when the memory needs slow work first: it has
+ * submitted a job (or one is already in flight) and the caller retries
+ * the allocation after a job's done has run. Positive, so never a
+ * BB_ERR_* code. */
+#define BACKEND_GROW 1
+
+/* One device a backend serves, for status reports. */
+typedef struct backend_device {
+	int ordinal;                 /* as the daemon numbers devices */
+	char name[96];               /* e.g. "NVIDIA H200" */
+	unsigned char uuid[16];      /* cuDeviceGetUuid */
+	unsigned long long total;    /* bytes of device memory */
+	unsigned long long free;     /* bytes free, as the driver reports */
+	unsigned long long used;     /* bytes in live buffers of the broker */
+	unsigned long long reserved; /* bytes the broker holds from the driver (slabs) */
+	unsigned long long limit;    /* the most the broker may hold on it */
+} backend_device;
+
 struct backend {
 	const char *name; /* "host", "cuda", ... for logs */
 	void *ctx;        /* backend's own state */
-	/* Get size bytes on device for uid. 0 or BB_ERR_*, with a sentence in
-	 * err (errlen bytes) on failure. */
-	int (*alloc)(backend *be, uint64_t size, int device, uint32_t uid,
+	/* Get size bytes on device for uid, shared by policy share (memory of
+	 * different uids or policies never shares an allocation). 0,
+	 * BACKEND_GROW, or BB_ERR_* with a sentence in err (errlen bytes). */
+	int (*alloc)(backend *be, uint64_t size, int device, uint32_t uid, int share,
 		     backend_mem *out, char *err, size_t errlen);
 	/* Adopt memory a client handed over as fd (the caller keeps its own fd;
 	 * the backend duplicates what it keeps). NULL when the kind cannot be
@@ -45,9 +74,27 @@ struct backend {
 	/* Describe mem for a client. 0 or BB_ERR_*. */
 	int (*export_mem)(backend *be, const backend_mem *mem, backend_export *out,
 			  char *err, size_t errlen);
-	/* Free the backend itself (after every mem was freed). May be NULL. */
+	/* Free the backend itself (after every mem was freed and every job
+	 * is done). May be NULL. */
 	void (*destroy)(backend *be);
+	/* Devices served, up to max into out; returns how many. May be NULL. */
+	int (*devices)(backend *be, backend_device *out, int max);
+	/* Set by the server: run job off the loop thread. NULL: the backend
+	 * runs work and done inline (unit tests). */
+	void (*submit)(backend *be, backend_job *job);
+	void *server; /* the server's context for submit */
 };
+
+/* Run job through be->submit, or inline when there is none. */
+static inline void backend_submit(backend *be, backend_job *job)
+{
+	if (be->submit) {
+		be->submit(be, job);
+	} else {
+		job->work(job);
+		job->done(job);
+	}
+}
 
 /* The host backend: sealed memfds (MFD_CLOEXEC | MFD_ALLOW_SEALING, then
  * F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL). Caller frees with destroy. */

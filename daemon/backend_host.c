@@ -29,12 +29,13 @@ static int sys_fail(char *err, size_t errlen, const char *what)
 									 : BB_ERR_SYSTEM;
 }
 
-static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, backend_mem *out,
-		      char *err, size_t errlen)
+static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
+		      backend_mem *out, char *err, size_t errlen)
 {
 	(void)be;
 	(void)device;
 	(void)uid;
+	(void)share;
 	int fd = memfd_create("bufbroker", MFD_CLOEXEC | MFD_ALLOW_SEALING);
 	if (fd < 0)
 		return sys_fail(err, errlen, "memfd_create");

@@ -449,8 +449,10 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	if (req->import_fd >= 0)
 		rc = be->import_fd(be, req->import_fd, req->size, &buf->mem, msg, sizeof(msg));
 	else
-		rc = be->alloc(be, req->size, req->device, conn->uid, &buf->mem, msg, sizeof(msg));
+		rc = be->alloc(be, req->size, req->device, conn->uid, req->share, &buf->mem, msg,
+			       sizeof(msg));
 	if (rc) {
+		/* BACKEND_GROW passes through: the caller retries later. */
 		fail(err, rc, "%s", msg[0] ? msg : "the backend could not provide the memory");
 		goto err_usage;
 	}

@@ -145,7 +145,9 @@ uint32_t broker_conn_pid(const broker_conn *conn);
 /* Buffers and bytes the connection holds at least one count on. */
 void broker_conn_holdings(const broker_conn *conn, uint64_t *buffers, uint64_t *bytes);
 
-/* A new buffer; conn gets one count. *out is valid until the next broker call. */
+/* A new buffer; conn gets one count. *out is valid until the next broker
+ * call. BACKEND_GROW (positive) when the backend must first do slow work it
+ * has submitted: nothing changed, retry once a backend job is done. */
 int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, broker_buf **out,
 		 broker_error *err);
 /* One more count for conn on an existing buffer, by id or by name. */

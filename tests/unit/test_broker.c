@@ -45,12 +45,13 @@ typedef struct counting_backend {
 	int fail_code;         /* non-zero: the next alloc/import fails with it */
 } counting_backend;
 
-static int cb_alloc(backend *be, uint64_t size, int device, uint32_t uid, backend_mem *out,
-		    char *err, size_t errlen)
+static int cb_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
+		    backend_mem *out, char *err, size_t errlen)
 {
 	counting_backend *cb = be->ctx;
 	(void)device;
 	(void)uid;
+	(void)share;
 	cb->allocs++;
 	if (cb->fail_code) {
 		int code = cb->fail_code;
@@ -606,6 +607,27 @@ Test(broker, backend_alloc_failure_propagates_and_leaks_nothing)
 	cr_assert_eq(broker_stat_name(b, a, "doomed", &info, &err), BB_ERR_NOT_FOUND);
 	uint64_t id = alloc_named(a, 5000, "doomed", BB_SHARE_UID);
 	cr_assert_eq(stat_of(a, id).refs, 1);
+}
+
+Test(broker, backend_grow_passes_through_and_changes_nothing)
+{
+	broker_conn *a = conn(UID_A, GID_A);
+	broker_alloc_req r = req_of(5000, "later", BB_SHARE_UID);
+	broker_buf *buf = NULL;
+	broker_totals t;
+	broker_info info;
+
+	host.fail_code = BACKEND_GROW;
+	cr_assert_eq(broker_alloc(b, a, &r, &buf, &err), BACKEND_GROW);
+	broker_totals_get(b, &t);
+	cr_assert_eq(t.buffers[BB_HOST], 0);
+	cr_assert_eq(host.live, 0);
+	cr_assert_eq(broker_stat_name(b, a, "later", &info, &err), BB_ERR_NOT_FOUND);
+	/* The retry after the backend's job succeeds as a first try would. */
+	cr_assert_eq(broker_alloc(b, a, &r, &buf, &err), 0, "%s", err.msg);
+	broker_buf_info(b, buf, a, &info);
+	cr_assert_eq(stat_of(a, info.id).refs, 1);
+	cr_assert_eq(host.live, 1);
 }
 
 Test(broker, import_fd_goes_through_backend_import)
