@@ -895,6 +895,180 @@ void broker_totals_get(broker *b, broker_totals *out)
 	out->waits = b->nwaits;
 }
 
+/* Append one problem line to the report being built. */
+static void report_add(char *report, size_t len, size_t *used, int *problems, const char *fmt, ...)
+	__attribute__((format(printf, 5, 6)));
+
+static void report_add(char *report, size_t len, size_t *used, int *problems, const char *fmt, ...)
+{
+	(*problems)++;
+	if (*used + 1 >= len)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(report + *used, len - *used, fmt, ap);
+	va_end(ap);
+	if (n > 0)
+		*used = *used + (size_t)n < len ? *used + (size_t)n : len - 1;
+	if (*used + 1 < len) {
+		report[(*used)++] = '\n';
+		report[*used] = '\0';
+	}
+}
+
+/* Scratch counts per buffer while checking. */
+typedef struct check_row {
+	uint64_t id;       /* key */
+	uint64_t counts;   /* sum of connection counts */
+	uint64_t tokens;   /* live tokens seen */
+	uint64_t waiters;  /* waiters seen through connections */
+	UT_hash_handle hh;
+} check_row;
+
+int broker_check(broker *b, char *report, size_t len)
+{
+	size_t used = 0;
+	int problems = 0;
+	check_row *rows = NULL, *row, *tmp;
+	uint64_t buffers[BROKER_KINDS] = {0}, bytes[BROKER_KINDS] = {0};
+	uint64_t waits = 0, conns = 0;
+
+	if (len)
+		report[0] = '\0';
+#define PROBLEM(...) report_add(report, len, &used, &problems, __VA_ARGS__)
+	for (broker_buf *buf = b->by_id; buf; buf = buf->hh.next) {
+		row = calloc(1, sizeof(*row));
+		if (!row) {
+			PROBLEM("check: out of memory");
+			goto out;
+		}
+		row->id = buf->id;
+		HASH_ADD(hh, rows, id, sizeof(row->id), row);
+		buffers[buf->kind]++;
+		bytes[buf->kind] += buf->size;
+		if (buf->name && find_name(b, buf->name) != buf)
+			PROBLEM("buffer %" PRIu64 ": its name \"%s\" does not lead back to it", buf->id,
+				buf->name);
+	}
+	for (broker_conn *c = b->conns; c; c = c->next) {
+		conns++;
+		for (holding *h = c->holdings; h; h = h->hh.next) {
+			HASH_FIND(hh, rows, &h->id, sizeof(h->id), row);
+			if (!row || h->buf != find_buf(b, h->id)) {
+				PROBLEM("connection of pid %u holds %u on buffer %" PRIu64
+					", which is not live",
+					c->pid, h->count, h->id);
+				continue;
+			}
+			if (h->count == 0)
+				PROBLEM("connection of pid %u keeps a zero count on buffer %" PRIu64, c->pid,
+					h->id);
+			row->counts += h->count;
+		}
+		uint32_t nw = 0, nt = 0;
+		for (broker_waiter *w = c->waiters; w; w = w->cnext) {
+			nw++;
+			if (!w->buf) {
+				PROBLEM("connection of pid %u has a waiter on no buffer", c->pid);
+				continue;
+			}
+			HASH_FIND(hh, rows, &w->buf->id, sizeof(w->buf->id), row);
+			if (row)
+				row->waiters++;
+		}
+		for (token *t = c->tokens; t; t = t->mnext)
+			nt++;
+		if (nw != c->nwaits)
+			PROBLEM("connection of pid %u counts %u waits but has %u", c->pid, c->nwaits, nw);
+		if (nt != c->ntokens)
+			PROBLEM("connection of pid %u counts %u tokens but has %u", c->pid, c->ntokens,
+				nt);
+		waits += nw;
+	}
+	uint64_t ntokens = 0;
+	for (token *t = b->tokens; t; t = t->hh.next) {
+		ntokens++;
+		HASH_FIND(hh, rows, &t->buf->id, sizeof(t->buf->id), row);
+		if (!row || find_buf(b, t->buf->id) != t->buf)
+			PROBLEM("a live token references buffer %" PRIu64 ", which is not live",
+				t->buf->id);
+		else
+			row->tokens++;
+	}
+	for (broker_buf *buf = b->by_id; buf; buf = buf->hh.next) {
+		uint64_t nwaiters = 0;
+		HASH_FIND(hh, rows, &buf->id, sizeof(buf->id), row);
+		for (broker_waiter *w = buf->waiters; w; w = w->next)
+			nwaiters++;
+		if (buf->refs != row->counts + row->tokens)
+			PROBLEM("buffer %" PRIu64 ": refs %" PRIu64 " but connections hold %" PRIu64
+				" and %" PRIu64 " tokens are live",
+				buf->id, buf->refs, row->counts, row->tokens);
+		if (buf->tokens != row->tokens)
+			PROBLEM("buffer %" PRIu64 ": counts %u tokens but %" PRIu64 " are live", buf->id,
+				buf->tokens, row->tokens);
+		if (buf->refs == 0)
+			PROBLEM("buffer %" PRIu64 " is live with no references", buf->id);
+		if (nwaiters != row->waiters)
+			PROBLEM("buffer %" PRIu64 ": %" PRIu64 " waiters, connections know of %" PRIu64,
+				buf->id, nwaiters, row->waiters);
+	}
+	for (int k = 1; k < BROKER_KINDS; k++) {
+		if (buffers[k] != b->buffers[k] || bytes[k] != b->bytes[k])
+			PROBLEM("%s totals say %" PRIu64 " buffers, %" PRIu64 " bytes; the buffers add up "
+				"to %" PRIu64 ", %" PRIu64,
+				kind_name((bb_kind)k), b->buffers[k], b->bytes[k], buffers[k], bytes[k]);
+	}
+	/* Per-uid usage, recounted into a scratch table. */
+	uid_usage *seen = NULL, *su, *stmp;
+	for (broker_buf *buf = b->by_id; buf; buf = buf->hh.next) {
+		HASH_FIND(hh, seen, &buf->owner_uid, sizeof(buf->owner_uid), su);
+		if (!su) {
+			if (!(su = calloc(1, sizeof(*su)))) {
+				PROBLEM("check: out of memory");
+				break;
+			}
+			su->uid = buf->owner_uid;
+			HASH_ADD(hh, seen, uid, sizeof(su->uid), su);
+		}
+		su->buffers++;
+		su->bytes[buf->kind] += buf->size;
+	}
+	for (uid_usage *u = b->uids; u; u = u->hh.next) {
+		HASH_FIND(hh, seen, &u->uid, sizeof(u->uid), su);
+		uid_usage zero = {.uid = u->uid};
+		if (!su)
+			su = &zero;
+		if (su->buffers != u->buffers || su->bytes[BB_HOST] != u->bytes[BB_HOST] ||
+		    su->bytes[BB_CUDA] != u->bytes[BB_CUDA])
+			PROBLEM("uid %u's usage says %" PRIu64 " buffers, %" PRIu64 " host and %" PRIu64
+				" cuda bytes; it owns %" PRIu64 ", %" PRIu64 " and %" PRIu64,
+				u->uid, u->buffers, u->bytes[BB_HOST], u->bytes[BB_CUDA], su->buffers,
+				su->bytes[BB_HOST], su->bytes[BB_CUDA]);
+	}
+	HASH_ITER(hh, seen, su, stmp) {
+		uid_usage *u = usage_of(b, su->uid, false);
+		if (!u)
+			PROBLEM("uid %u owns %" PRIu64 " buffers that its usage does not count", su->uid,
+				su->buffers);
+		HASH_DELETE(hh, seen, su);
+		free(su);
+	}
+	if (ntokens != b->ntokens)
+		PROBLEM("%" PRIu64 " tokens counted, %" PRIu64 " live", b->ntokens, ntokens);
+	if (waits != b->nwaits)
+		PROBLEM("%" PRIu64 " waits counted, %" PRIu64 " parked", b->nwaits, waits);
+	if (conns != b->nconns)
+		PROBLEM("%u connections counted, %" PRIu64 " open", b->nconns, conns);
+#undef PROBLEM
+out:
+	HASH_ITER(hh, rows, row, tmp) {
+		HASH_DELETE(hh, rows, row);
+		free(row);
+	}
+	return problems;
+}
+
 void broker_free(broker *b)
 {
 	if (!b)

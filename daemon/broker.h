@@ -187,6 +187,13 @@ void broker_list(broker *b, broker_conn *conn, int (*fn)(const broker_info *info
 		 void *arg);
 void broker_totals_get(broker *b, broker_totals *out);
 
+/* Verify the broker's invariants: for every buffer, refs = sum of
+ * connection counts + live tokens, and its token count matches the live
+ * tokens; per-kind and per-uid totals match the buffers; parked-wait counts
+ * match the waiters. Writes one line per problem into report (len bytes,
+ * always NUL-terminated, "" when all hold) and returns how many there were. */
+int broker_check(broker *b, char *report, size_t len);
+
 /* Release tokens whose TTL passed. Returns ms until the next one expires,
  * or UINT64_MAX when no token is live. */
 uint64_t broker_expire_tokens(broker *b);
