@@ -6,6 +6,7 @@
  * closed; nothing a client sends can stop the loop or reach another client.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -23,7 +24,8 @@ void conn_doom(conn *c, const char *why)
 	if (c->doomed || c->closed)
 		return;
 	c->doomed = true;
-	c->why = why;
+	/* Copied: callers pass messages built on their stack. */
+	snprintf(c->why, sizeof(c->why), "%s", why);
 	/* No more reading: nothing from a doomed connection is acted on. */
 	uv_poll_stop(&c->poll);
 	c->doomed_next = c->srv->doomed;
@@ -276,7 +278,7 @@ void conn_close(conn *c)
 			 "released_bytes=%llu reason=\"%s\"",
 			 (unsigned long long)c->serial, c->uid, c->pid, c->name,
 			 (unsigned long long)buffers, (unsigned long long)bytes,
-			 c->why ? c->why : "daemon stopping");
+			 c->why[0] ? c->why : "daemon stopping");
 		server_tokens_changed(s);
 	}
 	DL_DELETE(s->conns, c);

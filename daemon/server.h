@@ -47,7 +47,7 @@ struct conn {
 	bool hello;             /* Hello accepted */
 	bool doomed;            /* will be closed at the end of this loop turn */
 	bool closed;            /* uv_close called */
-	const char *why;        /* why it is being closed, for the log */
+	char why[128];          /* why it is being closed, for the log */
 	outmsg *out_head, *out_tail; /* queued responses */
 	uint64_t out_bytes;     /* bytes in the queue */
 	parked_wait *waits;     /* parked Wait requests */

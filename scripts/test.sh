@@ -59,7 +59,7 @@ fi
 # Leaks, heap errors and undefined behaviour all fail the test that hits
 # them: LeakSanitizer exits non-zero and ctest also matches the reports
 # (FAIL_REGULAR_EXPRESSION in CMakeLists.txt). The caller's options win.
-export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1:check_initialization_order=1}"
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1:check_initialization_order=1:detect_stack_use_after_return=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 # Debug: assertions on (NDEBUG off) and the clearest sanitizer reports.
 if ! run_suite asan "$BB_BUILD_DIR-asan" Debug -DBB_SANITIZE=ON; then
