@@ -175,7 +175,12 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 	reply(r, &resp, -1);
 }
 
-static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
+/* Parked allocs one connection may have; more are refused. */
+#define PARKED_ALLOCS_MAX 1024
+
+/* Allocate and answer, or BACKEND_GROW (nothing answered) when the backend
+ * is making the memory. */
+static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
 		     uint32_t share, int fd)
 {
 	server *s = r->c->srv;
@@ -190,13 +195,78 @@ static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 		.import_fd = fd,
 	};
 	int rc = broker_alloc(s->b, r->c->bc, &req, &buf, &err);
+	if (rc == BACKEND_GROW)
+		return rc;
 	if (rc) {
 		reply_error(r, rc, err.msg);
-		return;
+		return rc;
 	}
 	log_debug("event=alloc conn=%llu uid=%u size=%" PRIu64 " imported=%d",
 		  (unsigned long long)r->c->serial, r->c->uid, size, fd >= 0);
 	grant(r, buf);
+	return 0;
+}
+
+static void parked_alloc_free(parked_alloc *pa)
+{
+	pa->c->parked_allocs--;
+	free(pa->name);
+	free(pa);
+}
+
+static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
+		     uint32_t share, int fd)
+{
+	conn *c = r->c;
+	if (alloc_try(r, size, kind, device, name, share, fd) != BACKEND_GROW)
+		return;
+	/* The backend is making memory (a new CUDA slab): answer once a
+	 * backend job is done. Later requests on this connection are answered
+	 * meanwhile, as with Wait. */
+	if (c->parked_allocs >= PARKED_ALLOCS_MAX) {
+		reply_error(r, BB_ERR_NO_MEMORY,
+			    "too many allocations on this connection are waiting for device memory");
+		return;
+	}
+	parked_alloc *pa = calloc(1, sizeof(*pa));
+	if (!pa || (name && name[0] && !(pa->name = strdup(name)))) {
+		free(pa);
+		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
+		return;
+	}
+	pa->c = c;
+	pa->req_id = r->id;
+	pa->quiet = r->quiet;
+	pa->size = size;
+	pa->kind = kind;
+	pa->device = device;
+	pa->share = share;
+	c->parked_allocs++;
+	DL_APPEND(c->srv->allocs, pa);
+	log_debug("event=alloc_parked conn=%llu uid=%u size=%" PRIu64 " device=%d",
+		  (unsigned long long)c->serial, c->uid, size, device);
+}
+
+void handler_retry_allocs(server *s)
+{
+	if (s->stopping || !s->allocs)
+		return;
+	/* Detach the list: what parks again during the round goes to the
+	 * end of a fresh one, so the order holds and the round ends. */
+	parked_alloc *list = s->allocs, *pa, *tmp;
+	s->allocs = NULL;
+	DL_FOREACH_SAFE(list, pa, tmp)
+	{
+		DL_DELETE(list, pa);
+		req_ctx r = {.c = pa->c, .id = pa->req_id, .quiet = pa->quiet, .op = "alloc"};
+		if (pa->c->doomed || pa->c->closed ||
+		    alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, -1) !=
+			    BACKEND_GROW) {
+			parked_alloc_free(pa);
+			continue;
+		}
+		DL_APPEND(s->allocs, pa);
+	}
 }
 
 static void do_open(req_ctx *r, const Bufbroker__Open *o)
@@ -391,6 +461,14 @@ void handler_drop_waits(conn *c)
 		broker_wait_cancel(c->srv->b, &pw->w);
 		wait_dispose(pw);
 	}
+	parked_alloc *pa, *tmp;
+	DL_FOREACH_SAFE(c->srv->allocs, pa, tmp)
+	{
+		if (pa->c != c)
+			continue;
+		DL_DELETE(c->srv->allocs, pa);
+		parked_alloc_free(pa);
+	}
 }
 
 /* ---- reporting ----------------------------------------------------------------- */
@@ -514,6 +592,29 @@ static void do_server_status(req_ctx *r)
 	ss.tokens = t.tokens;
 	ss.waits = t.waits;
 	ss.pid = (uint32_t)getpid();
+
+	/* The devices, as many as a datagram holds (each row is < 200 bytes). */
+	enum { MAX_DEVICES = 64 };
+	backend_device devs[MAX_DEVICES];
+	Bufbroker__DeviceInfo di[MAX_DEVICES], *dip[MAX_DEVICES];
+	int n = s->cuda && s->cuda->devices ? s->cuda->devices(s->cuda, devs, MAX_DEVICES) : 0;
+	for (int i = 0; i < n; i++) {
+		bufbroker__device_info__init(&di[i]);
+		di[i].ordinal = devs[i].ordinal;
+		di[i].name = devs[i].name;
+		di[i].uuid.data = devs[i].uuid;
+		di[i].uuid.len = sizeof(devs[i].uuid);
+		di[i].total_bytes = devs[i].total;
+		di[i].free_bytes = devs[i].free;
+		di[i].used_bytes = devs[i].used;
+		di[i].reserved_bytes = devs[i].reserved;
+		di[i].limit_bytes = devs[i].limit;
+		dip[i] = &di[i];
+	}
+	ss.n_devices = (size_t)n;
+	ss.devices = dip;
+	ss.cuda = s->cuda_why;
+
 	resp.result_case = BUFBROKER__RESPONSE__RESULT_SERVER_STATUS;
 	resp.server_status = &ss;
 	reply(r, &resp, -1);

@@ -35,6 +35,17 @@ static void usage(FILE *out)
 		"  --queue-bytes BYTES    queued output per connection before it is dropped\n"
 		"                         (default 4194304)\n"
 		"  --max-datagram BYTES   largest request accepted (default %d)\n"
+		"  --cuda-slab-bytes BYTES\n"
+		"                         CUDA buffers are carved out of allocations (slabs)\n"
+		"                         of this size, rounded up to 2 MiB (default 64M, at\n"
+		"                         least 1M); a larger buffer gets its own allocation\n"
+		"  --cuda-cache-bytes BYTES\n"
+		"                         empty slabs kept per device for reuse (default 256M)\n"
+		"  --cuda-device-bytes BYTES\n"
+		"                         device memory the daemon may hold per device\n"
+		"                         (default 90%% of each device's memory)\n"
+		"  --no-cuda              serve host buffers only: do not load the CUDA driver\n"
+		"                         ($BUFBROKER_CUDA_LIBRARY, default libcuda.so.1)\n"
 		"  --log-level LEVEL      error, warn, info (default) or debug\n"
 		"  --version              print the version and exit\n"
 		"  --help                 print this help and exit\n",
@@ -81,7 +92,8 @@ static int parse_u32(const char *s, uint32_t *out)
 enum {
 	OPT_SOCKET = 256, OPT_SOCKET_MODE, OPT_SOCKET_GROUP, OPT_TOKEN_TTL, OPT_MAX_CONNECTIONS,
 	OPT_UID_HOST_BYTES, OPT_UID_BUFFERS, OPT_CONN_TOKENS, OPT_CONN_WAITS, OPT_QUEUE_BYTES,
-	OPT_MAX_DATAGRAM, OPT_LOG_LEVEL, OPT_VERSION, OPT_HELP,
+	OPT_MAX_DATAGRAM, OPT_LOG_LEVEL, OPT_VERSION, OPT_HELP, OPT_CUDA_SLAB_BYTES,
+	OPT_CUDA_CACHE_BYTES, OPT_CUDA_DEVICE_BYTES, OPT_NO_CUDA,
 };
 
 static const struct option options[] = {
@@ -97,6 +109,10 @@ static const struct option options[] = {
 	{"queue-bytes", required_argument, NULL, OPT_QUEUE_BYTES},
 	{"max-datagram", required_argument, NULL, OPT_MAX_DATAGRAM},
 	{"log-level", required_argument, NULL, OPT_LOG_LEVEL},
+	{"cuda-slab-bytes", required_argument, NULL, OPT_CUDA_SLAB_BYTES},
+	{"cuda-cache-bytes", required_argument, NULL, OPT_CUDA_CACHE_BYTES},
+	{"cuda-device-bytes", required_argument, NULL, OPT_CUDA_DEVICE_BYTES},
+	{"no-cuda", no_argument, NULL, OPT_NO_CUDA},
 	{"version", no_argument, NULL, OPT_VERSION},
 	{"help", no_argument, NULL, OPT_HELP},
 	{NULL, 0, NULL, 0},
@@ -118,6 +134,7 @@ int main(int argc, char **argv)
 	char default_path[256];
 	int opt;
 	broker_limits_default(&cfg.limits);
+	backend_cuda_config_default(&cfg.cuda);
 
 	while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
 		const char *v = optarg;
@@ -169,6 +186,23 @@ int main(int argc, char **argv)
 			if (parse_u64(v, &u64) < 0 || u64 < 1024 || u64 > (16u << 20))
 				return bad_value("max-datagram", v);
 			cfg.max_datagram = (uint32_t)u64;
+			break;
+		case OPT_CUDA_SLAB_BYTES:
+			if (parse_u64(v, &cfg.cuda.slab_bytes) < 0 ||
+			    cfg.cuda.slab_bytes < BACKEND_CUDA_SLAB_MIN ||
+			    cfg.cuda.slab_bytes > (1ULL << 40))
+				return bad_value("cuda-slab-bytes", v);
+			break;
+		case OPT_CUDA_CACHE_BYTES:
+			if (parse_u64(v, &cfg.cuda.cache_bytes) < 0)
+				return bad_value("cuda-cache-bytes", v);
+			break;
+		case OPT_CUDA_DEVICE_BYTES:
+			if (parse_u64(v, &cfg.cuda.device_bytes) < 0 || cfg.cuda.device_bytes == 0)
+				return bad_value("cuda-device-bytes", v);
+			break;
+		case OPT_NO_CUDA:
+			cfg.no_cuda = true;
 			break;
 		case OPT_LOG_LEVEL: {
 			int l = log_level_parse(v);

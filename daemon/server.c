@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -15,6 +16,7 @@
 
 #include <systemd/sd-daemon.h>
 
+#include "cuda_api.h"
 #include "log.h"
 #include "server.h"
 #include "wire.h"
@@ -44,54 +46,78 @@ static int make_parents(const char *path)
 	return 0;
 }
 
+/* Whether path is a socket file that no daemon serves (safe to replace).
+ * 1 stale, 0 absent, -1 live or not a socket (with the reason logged). */
+static int stale_socket(const char *path, const struct sockaddr_un *addr)
+{
+	struct stat st;
+	if (lstat(path, &st) < 0)
+		return 0;
+	if (!S_ISSOCK(st.st_mode)) {
+		log_error("event=listen_failed socket=\"%s\" error=\"the path exists and is not a socket\"",
+			  path);
+		return -1;
+	}
+	/* Only a refused connect proves that no daemon is serving it. */
+	int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	int live = probe >= 0 && connect(probe, (const struct sockaddr *)addr, sizeof(*addr)) == 0;
+	if (probe >= 0)
+		close(probe);
+	if (live) {
+		log_error("event=listen_failed socket=\"%s\" error=\"another daemon is serving it\"", path);
+		return -1;
+	}
+	return 1;
+}
+
+/* Listen on our own socket file. It is bound under a temporary name, given
+ * its mode and group, made to listen, and only then renamed into place, so
+ * that a client never finds the path refusing connections or with the
+ * wrong permissions. */
 static int listen_on(server *s)
 {
 	const char *path = s->cfg.socket_path;
-	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	struct sockaddr_un addr = {.sun_family = AF_UNIX}, tmp = {.sun_family = AF_UNIX};
 	if (strlen(path) >= sizeof(addr.sun_path)) {
 		log_error("event=listen_failed socket=\"%s\" error=\"path too long\"", path);
 		return -1;
 	}
 	strcpy(addr.sun_path, path);
+	/* The temporary name must fit too; a path with no room for it is
+	 * bound directly (a short window of refused connects, nothing worse). */
+	int n = snprintf(tmp.sun_path, sizeof(tmp.sun_path), "%s.%ld.tmp", path, (long)getpid());
+	if (n < 0 || (size_t)n >= sizeof(tmp.sun_path))
+		tmp = addr;
 	if (make_parents(path) < 0) {
 		log_error("event=listen_failed socket=\"%s\" error=\"cannot create its directory: %s\"",
 			  path, strerror(errno));
 		return -1;
 	}
+	int stale = stale_socket(path, &addr);
+	if (stale < 0)
+		return -1;
 	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0) {
 		log_error("event=listen_failed error=\"socket: %s\"", strerror(errno));
 		return -1;
 	}
-	if (bind(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0) {
-		if (errno != EADDRINUSE)
-			goto err_bind;
-		/* A file is there: a live daemon's socket, or a stale one from
-		 * a daemon that died. Only a refused connect proves it stale,
-		 * and only a socket file is ours to remove. */
-		struct stat st;
-		int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-		int live = probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof(addr)) == 0;
-		if (probe >= 0)
-			close(probe);
-		if (live || lstat(path, &st) < 0 || !S_ISSOCK(st.st_mode)) {
-			log_error("event=listen_failed socket=\"%s\" error=\"%s\"", path,
-				  live ? "another daemon is serving it" : "the path exists and is not a socket");
-			close(fd);
-			return -1;
-		}
+	const char *bound = tmp.sun_path;
+	if (strcmp(bound, path) == 0 && stale)
 		unlink(path);
-		if (bind(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0)
-			goto err_bind;
+	else
+		unlink(bound); /* a leftover of a daemon with our pid */
+	if (bind(fd, (struct sockaddr *)&tmp, sizeof(tmp)) < 0) {
+		log_error("event=listen_failed socket=\"%s\" error=\"bind: %s\"", bound, strerror(errno));
+		close(fd);
+		return -1;
 	}
-	s->own_socket_file = true;
-	if (chmod(path, s->cfg.socket_mode) < 0) {
+	if (chmod(bound, s->cfg.socket_mode) < 0) {
 		log_error("event=listen_failed socket=\"%s\" error=\"chmod: %s\"", path, strerror(errno));
 		goto err_file;
 	}
 	if (s->cfg.socket_group) {
 		struct group *g = getgrnam(s->cfg.socket_group);
-		if (!g || chown(path, (uid_t)-1, g->gr_gid) < 0) {
+		if (!g || chown(bound, (uid_t)-1, g->gr_gid) < 0) {
 			log_error("event=listen_failed socket=\"%s\" error=\"cannot give it group %s: %s\"",
 				  path, s->cfg.socket_group, g ? strerror(errno) : "no such group");
 			goto err_file;
@@ -101,16 +127,17 @@ static int listen_on(server *s)
 		log_error("event=listen_failed socket=\"%s\" error=\"listen: %s\"", path, strerror(errno));
 		goto err_file;
 	}
+	/* rename replaces a stale socket file atomically. */
+	if (strcmp(bound, path) != 0 && rename(bound, path) < 0) {
+		log_error("event=listen_failed socket=\"%s\" error=\"rename: %s\"", path, strerror(errno));
+		goto err_file;
+	}
+	s->own_socket_file = true;
 	s->listen_fd = fd;
 	return 0;
 
-err_bind:
-	log_error("event=listen_failed socket=\"%s\" error=\"bind: %s\"", path, strerror(errno));
-	close(fd);
-	return -1;
 err_file:
-	unlink(path);
-	s->own_socket_file = false;
+	unlink(bound);
 	close(fd);
 	return -1;
 }
@@ -208,6 +235,10 @@ void server_tokens_changed(server *s)
 static void on_reap(uv_check_t *h)
 {
 	server *s = h->data;
+	if (s->retry_allocs) {
+		s->retry_allocs = false;
+		handler_retry_allocs(s);
+	}
 	while (s->doomed) {
 		conn *c = s->doomed;
 		s->doomed = c->doomed_next;
@@ -220,6 +251,95 @@ static void on_signal(uv_signal_t *h, int signum)
 	server *s = h->data;
 	log_info("event=stopping signal=%s", signum == SIGTERM ? "SIGTERM" : "SIGINT");
 	uv_stop(s->loop);
+}
+
+/* ---- backend jobs ---------------------------------------------------------- */
+
+/* A backend job on libuv's thread pool. */
+typedef struct server_job {
+	uv_work_t req;   /* req.data: the server */
+	backend_job *job; /* the backend's job */
+} server_job;
+
+static void job_work(uv_work_t *req)
+{
+	server_job *sj = (server_job *)req;
+	sj->job->work(sj->job);
+}
+
+static void job_after(uv_work_t *req, int status)
+{
+	server_job *sj = (server_job *)req;
+	server *s = req->data;
+	backend_job *job = sj->job;
+	free(sj);
+	/* Jobs are never cancelled; should one be, its work still runs. */
+	if (status == UV_ECANCELED)
+		job->work(job);
+	s->jobs--;
+	job->done(job);
+	/* The memory a parked alloc waited for may be there now. */
+	handler_retry_allocs(s);
+}
+
+static void server_submit(backend *be, backend_job *job)
+{
+	server *s = be->server;
+	server_job *sj = malloc(sizeof(*sj));
+	if (sj) {
+		sj->job = job;
+		sj->req.data = s;
+		if (uv_queue_work(s->loop, &sj->req, job_work, job_after) == 0) {
+			s->jobs++;
+			return;
+		}
+		free(sj);
+	}
+	/* No memory to queue it: do it here, and retry the parked allocs
+	 * (the caller's among them) at the end of this loop turn. */
+	log_warn("event=job_inline error=\"could not queue a backend job\"");
+	job->work(job);
+	job->done(job);
+	s->retry_allocs = true;
+}
+
+/* Load the driver and serve CUDA buffers, or say why not (in the log and
+ * in every CUDA Alloc's answer). */
+static void start_cuda(server *s)
+{
+	char why[200] = "";
+	if (s->cfg.no_cuda)
+		snprintf(why, sizeof(why), "disabled with --no-cuda");
+	else
+		s->cuda = backend_cuda_new(&s->cfg.cuda, why, sizeof(why));
+	if (!s->cuda) {
+		snprintf(s->cuda_why, sizeof(s->cuda_why), "%s", why);
+		char msg[300];
+		snprintf(msg, sizeof(msg), "CUDA is not available on this daemon: %s", why);
+		broker_set_backend(s->b, BB_CUDA, NULL, msg);
+		log_info("event=cuda_unavailable reason=\"%s\"", why);
+		return;
+	}
+	s->cuda->submit = server_submit;
+	s->cuda->server = s;
+	broker_set_backend(s->b, BB_CUDA, s->cuda, NULL);
+
+	backend_device devs[64];
+	char uuid[48];
+	int n = s->cuda->devices(s->cuda, devs, 64);
+	int v = backend_cuda_driver_version(s->cuda);
+	log_info("event=cuda_ready library=\"%s\" driver=%d.%d devices=%d slab_bytes=%" PRIu64
+		 " cache_bytes=%" PRIu64,
+		 backend_cuda_library(s->cuda), v / 1000, v % 1000 / 10, n,
+		 backend_cuda_config_of(s->cuda)->slab_bytes,
+		 backend_cuda_config_of(s->cuda)->cache_bytes);
+	for (int i = 0; i < n; i++) {
+		bb_cuda_uuid_format(devs[i].uuid, uuid);
+		log_info("event=cuda_device ordinal=%d name=\"%s\" uuid=%s total_bytes=%llu "
+			 "free_bytes=%llu limit_bytes=%llu",
+			 devs[i].ordinal, devs[i].name, uuid, devs[i].total, devs[i].free,
+			 devs[i].limit);
+	}
 }
 
 int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
@@ -238,8 +358,7 @@ int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
 		return -1;
 	}
 	broker_set_backend(s->b, BB_HOST, s->host, NULL);
-	broker_set_backend(s->b, BB_CUDA, NULL,
-			   "CUDA buffers are not supported by this daemon yet (no CUDA backend)");
+	start_cuda(s);
 
 	int passed = take_passed_socket(s);
 	if (passed < 0)
@@ -295,6 +414,7 @@ void server_shutdown(server *s)
 		/* Connections closed above free themselves in their close
 		 * callbacks; everything else has no callback to wait for. */
 		uv_walk(s->loop, close_walk, NULL);
+		/* This also waits for backend jobs in flight. */
 		uv_run(s->loop, UV_RUN_DEFAULT);
 	}
 	if (s->listen_fd >= 0)
@@ -302,6 +422,12 @@ void server_shutdown(server *s)
 	if (s->own_socket_file)
 		unlink(s->cfg.socket_path);
 	broker_free(s->b);
+	/* Buffers that tokens kept alive were freed just now; their backend
+	 * jobs must finish before the backend goes. */
+	if (s->loop)
+		uv_run(s->loop, UV_RUN_DEFAULT);
+	if (s->cuda)
+		s->cuda->destroy(s->cuda);
 	if (s->host)
 		s->host->destroy(s->host);
 	free(s->rbuf);

@@ -11,12 +11,14 @@
 #include <sys/types.h>
 #include <uv.h>
 
+#include "backend_cuda.h"
 #include "broker.h"
 #include "bufbroker.pb-c.h"
 
 typedef struct server server;
 typedef struct conn conn;
 typedef struct parked_wait parked_wait;
+typedef struct parked_alloc parked_alloc;
 
 typedef struct server_config {
 	const char *socket_path; /* where to listen (ignored with LISTEN_FDS) */
@@ -25,6 +27,8 @@ typedef struct server_config {
 	uint32_t max_datagram;   /* bytes; larger requests are protocol errors */
 	uint64_t queue_bytes;    /* queued output per connection before it is dropped */
 	broker_limits limits;    /* handed to the broker */
+	bool no_cuda;            /* --no-cuda: serve host buffers only */
+	backend_cuda_config cuda; /* slab, cache and device limits */
 } server_config;
 
 /* One queued response that did not fit in the socket buffer. */
@@ -51,6 +55,7 @@ struct conn {
 	outmsg *out_head, *out_tail; /* queued responses */
 	uint64_t out_bytes;     /* bytes in the queue */
 	parked_wait *waits;     /* parked Wait requests */
+	uint32_t parked_allocs; /* its allocs waiting for device memory */
 	conn *prev, *next;      /* server's list */
 	conn *doomed_next;      /* server's list of connections to close */
 };
@@ -65,16 +70,36 @@ struct parked_wait {
 	parked_wait *prev, *next;   /* conn's list */
 };
 
+/* An Alloc the backend could not answer yet (BACKEND_GROW): retried, in
+ * arrival order, after each backend job's done; dropped unanswered when its
+ * connection closes. */
+struct parked_alloc {
+	conn *c;                    /* who asked */
+	uint64_t req_id;            /* the Alloc request's id */
+	bool quiet;                 /* Request.no_reply */
+	uint64_t size;              /* Alloc fields, copied */
+	int kind;
+	int32_t device;
+	uint32_t share;
+	char *name;                 /* copy, or NULL */
+	parked_alloc *prev, *next;  /* server's list, oldest first */
+};
+
 struct server {
 	uv_loop_t *loop;          /* the loop everything runs on */
 	server_config cfg;        /* as given */
 	broker *b;                /* the state machine */
 	backend *host;            /* host backend */
+	backend *cuda;            /* CUDA backend, or NULL (cuda_why says why) */
+	char cuda_why[256];       /* why CUDA is not served; "" when it is */
+	parked_alloc *allocs;     /* allocs waiting for a backend job */
+	uint32_t jobs;            /* backend jobs in flight */
+	bool retry_allocs;        /* a job ran inline: retry parked allocs after this turn */
 	int listen_fd;            /* listening socket */
 	bool own_socket_file;     /* we bound it (so we unlink it on exit) */
 	uv_poll_t listen_poll;    /* accept readiness */
 	uv_timer_t token_timer;   /* next token expiry */
-	uv_check_t reaper;        /* closes doomed connections after each turn */
+	uv_check_t reaper;        /* after each turn: close doomed conns, retry_allocs */
 	uv_signal_t sigterm, sigint; /* clean shutdown */
 	conn *conns;              /* open connections */
 	conn *doomed;             /* connections to close */
@@ -103,8 +128,12 @@ void conn_doom(conn *c, const char *why);
 /* The request layer (handler.c): act on one decoded request. fd is an fd
  * that came with it or -1; the handler closes it. */
 void handler_request(conn *c, const Bufbroker__Request *req, int fd);
-/* Cancel and free c's parked waits (the connection is closing). */
+/* Cancel and free c's parked waits and parked allocs, unanswered (the
+ * connection is closing). */
 void handler_drop_waits(conn *c);
+/* Retry every parked alloc once, oldest first (a backend job is done);
+ * those that must wait again stay parked, in order. */
+void handler_retry_allocs(server *s);
 /* After a Take: make sure the token timer will fire. */
 void server_tokens_changed(server *s);
 

@@ -8,12 +8,14 @@ BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # Everything the build, the tests and the demo need on Debian 12.
 # systemd provides systemd-analyze and systemd-socket-activate; clang builds
-# the fuzz target.
+# the fuzz target; python3, python3-pytest and python3-numpy run the Python
+# binding's tests.
 BB_PACKAGES=(
 	build-essential cmake pkg-config
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
 	libcriterion-dev libsystemd-dev uthash-dev
 	systemd clang
+	python3 python3-pytest python3-numpy
 )
 
 bb_log()

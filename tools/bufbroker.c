@@ -24,6 +24,7 @@
 
 #include "bufbroker/bufbroker.h"
 #include "client_internal.h"
+#include "cuda_api.h"
 #include "wire.h"
 
 enum { EXIT_DAEMON = 1, EXIT_USAGE = 2 };
@@ -44,7 +45,8 @@ static void usage(FILE *f)
 		"Usage: bufbroker [--socket PATH] [--json] COMMAND\n"
 		"\n"
 		"Commands:\n"
-		"  status            the daemon's version, uptime, connections and totals\n"
+		"  status            the daemon's version, uptime, connections, totals and\n"
+		"                    CUDA devices\n"
 		"  ls                every buffer this user may see\n"
 		"  stat ID|NAME      one buffer; digits only means an id\n"
 		"  stat --id ID      one buffer by id\n"
@@ -278,6 +280,66 @@ static int cli_call(bb_client *c, Bufbroker__Request *req, Bufbroker__Response__
 
 /* ---- commands --------------------------------------------------------- */
 
+/* "GPU-xxxxxxxx-..." of a DeviceInfo's uuid, or "-" when it is not 16 bytes. */
+static const char *device_uuid(const Bufbroker__DeviceInfo *d, char out[48])
+{
+	if (d->uuid.len != 16)
+		return strcpy(out, "-");
+	bb_cuda_uuid_format(d->uuid.data, out);
+	return out;
+}
+
+static void json_devices(const Bufbroker__ServerStatusReply *s)
+{
+	char uuid[48];
+	size_t i;
+
+	fputs(",\"devices\":[", stdout);
+	for (i = 0; i < s->n_devices; i++) {
+		const Bufbroker__DeviceInfo *d = s->devices[i];
+
+		printf("%s{\"ordinal\":%" PRId32 ",\"name\":", i ? "," : "", d->ordinal);
+		json_str(d->name);
+		fputs(",\"uuid\":", stdout);
+		json_str(device_uuid(d, uuid));
+		printf(",\"total_bytes\":%" PRIu64 ",\"free_bytes\":%" PRIu64
+		       ",\"used_bytes\":%" PRIu64 ",\"reserved_bytes\":%" PRIu64
+		       ",\"limit_bytes\":%" PRIu64 "}",
+		       d->total_bytes, d->free_bytes, d->used_bytes, d->reserved_bytes,
+		       d->limit_bytes);
+	}
+	fputs("],\"cuda\":", stdout);
+	json_str(s->cuda);
+}
+
+static void text_devices(const Bufbroker__ServerStatusReply *s)
+{
+	char uuid[48], a[32], b[32], c[32];
+	size_t i;
+
+	if (s->cuda && *s->cuda) {
+		fputs("cuda            unavailable: ", stdout);
+		put_text(s->cuda);
+		putchar('\n');
+		return;
+	}
+	printf("cuda devices    %zu\n", s->n_devices);
+	for (i = 0; i < s->n_devices; i++) {
+		const Bufbroker__DeviceInfo *d = s->devices[i];
+
+		printf("device %-8" PRId32 " ", d->ordinal);
+		put_text(d->name);
+		printf(", %s\n", device_uuid(d, uuid));
+		fmt_size(d->total_bytes, a, sizeof(a));
+		fmt_size(d->free_bytes, b, sizeof(b));
+		printf("  memory        %s total, %s free\n", a, b);
+		fmt_size(d->used_bytes, a, sizeof(a));
+		fmt_size(d->reserved_bytes, b, sizeof(b));
+		fmt_size(d->limit_bytes, c, sizeof(c));
+		printf("  broker        %s in buffers, %s reserved, limit %s\n", a, b, c);
+	}
+}
+
 static int cmd_status(bb_client *c, bool json)
 {
 	Bufbroker__ServerStatus op = BUFBROKER__SERVER_STATUS__INIT;
@@ -319,7 +381,9 @@ static int cmd_status(bb_client *c, bool json)
 		for (i = 0; i < 2; i++)
 			printf("%s\"%s\":{\"buffers\":%" PRIu64 ",\"bytes\":%" PRIu64 "}",
 			       i ? "," : "", i ? "cuda" : "host", buffers[i], bytes[i]);
-		fputs("}}\n", stdout);
+		putchar('}');
+		json_devices(s);
+		fputs("}\n", stdout);
 	} else {
 		fmt_duration(s->uptime_ms, up, sizeof(up));
 		fputs("server version  ", stdout);
@@ -336,6 +400,7 @@ static int cmd_status(bb_client *c, bool json)
 		}
 		printf("live tokens     %" PRIu64 "\n", s->tokens);
 		printf("parked waits    %" PRIu64 "\n", s->waits);
+		text_devices(s);
 	}
 	bbc_response_free(r);
 	return 0;

@@ -1,0 +1,856 @@
+/*
+ * The CUDA backend: a slab pool per (device, uid, share) over the driver's
+ * primary contexts, with growing and freeing done as backend jobs. See
+ * backend_cuda.h for the rules; this file keeps the books.
+ *
+ * Accounting per device, all on the loop thread:
+ *   reserved  bytes the broker has from the driver, counting allocations
+ *             in progress (grow jobs) and ones being freed (free jobs);
+ *   freeing   the part of reserved whose free job is in flight;
+ *   cached    bytes of empty slabs kept for reuse;
+ *   used      bytes of live buffers, as asked for.
+ * The limit applies to reserved - freeing plus what a new grow asks for.
+ *
+ * A slab made by a grow job is "fresh" until the settle job that the grow's
+ * done submits has run: by then the server has retried every parked alloc,
+ * so a fresh slab is not evicted before the request it was made for had
+ * its turn, and a dedicated allocation whose requester went away (its
+ * connection closed) is freed there.
+ */
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <uthash.h>
+#include <utlist.h>
+
+#include "backend_cuda.h"
+#include "bufbroker/bufbroker.h"
+#include "cuda_api.h"
+#include "log.h"
+
+#define SLAB_GRANULE (2ULL << 20) /* the driver hands out memory in 2 MiB pages */
+
+typedef struct cuda_backend cuda_backend;
+typedef struct cuda_dev cuda_dev;
+typedef struct pool pool;
+typedef struct slab slab;
+typedef struct grow_job grow_job;
+
+/* A range of a slab: a live buffer (backend_mem.priv) or a free range on
+ * the slab's free list. A freed buffer's extent joins the free list (or
+ * merges into a neighbour), so freeing never allocates. */
+typedef struct extent {
+	slab *slab;                 /* where it lies */
+	uint64_t off;               /* multiple of BACKEND_CUDA_ALIGN */
+	uint64_t len;               /* multiple of BACKEND_CUDA_ALIGN */
+	struct extent *prev, *next; /* the slab's free list, by offset */
+} extent;
+
+/* One cuMemAlloc allocation. */
+struct slab {
+	pool *pool;            /* owner (never changes) */
+	CUdeviceptr base;      /* the allocation */
+	uint64_t size;         /* its bytes */
+	CUipcMemHandle handle; /* cuIpcGetMemHandle, once */
+	uint64_t allocation;   /* identity, never reused in this daemon run */
+	bool dedicated;        /* made for one buffer larger than a slab */
+	bool fresh;            /* made since the last settle (see the top) */
+	bool cached;           /* empty, on the device's cache list */
+	uint32_t live;         /* buffers in it */
+	extent *free;          /* free ranges, by offset, coalesced */
+	slab *prev, *next;     /* the pool's slabs, oldest first */
+	slab *cprev, *cnext;   /* the device's cache list, oldest first */
+};
+
+typedef struct pool_key {
+	int device;   /* ordinal */
+	uint32_t uid; /* owner */
+	int share;    /* BB_SHARE_* */
+} pool_key;
+
+/* The slabs of one key. Pools live until destroy (there are few keys). */
+struct pool {
+	pool_key key;        /* hash key */
+	cuda_dev *dev;       /* key.device */
+	slab *slabs;         /* oldest first */
+	grow_job *growing;   /* grow jobs in flight */
+	int fail_code;       /* a grow failed: answer the next alloc with this */
+	bool fail_dedicated; /* ... if it asks for the same kind of allocation */
+	uint64_t fail_size;  /* ... of this size (dedicated) */
+	char fail_msg[200];  /* the driver's error */
+	UT_hash_handle hh;   /* cuda_backend.pools */
+};
+
+/* One device the daemon serves. */
+struct cuda_dev {
+	int ordinal;            /* as this daemon numbers it */
+	CUdevice dev;           /* cuDeviceGet */
+	CUcontext ctx;          /* retained primary context */
+	char name[96];          /* cuDeviceGetName */
+	unsigned char uuid[16]; /* cuDeviceGetUuid */
+	uint64_t total;         /* cuDeviceTotalMem */
+	uint64_t limit;         /* the most the broker holds */
+	uint64_t reserved;      /* see the top of the file */
+	uint64_t freeing;       /* ... */
+	uint64_t cached;        /* ... */
+	uint64_t used;          /* ... */
+	slab *cache;            /* empty slabs, oldest first */
+};
+
+struct cuda_backend {
+	backend be;               /* be.ctx points here */
+	bb_cuda api;              /* the loaded driver */
+	backend_cuda_config cfg;  /* slab_bytes rounded */
+	int driver_version;       /* cuDriverGetVersion */
+	int ndev;                 /* devices */
+	cuda_dev *devs;           /* by ordinal */
+	pool *pools;              /* by key */
+	uint64_t next_allocation; /* allocation identities */
+	uint32_t jobs;            /* jobs in flight */
+};
+
+/* Allocate a new slab (work) and add it to its pool (done). */
+struct grow_job {
+	backend_job job;   /* first: the server sees this */
+	cuda_backend *cu;  /* owner */
+	pool *pool;        /* stays: pools live until destroy */
+	CUcontext ctx;     /* the device's primary context */
+	uint64_t size;     /* asked of the driver (counted in reserved) */
+	uint64_t min_size; /* smallest that serves the request: tried on OOM */
+	bool dedicated;    /* for one buffer */
+	/* Written by work: */
+	CUresult rc;           /* CUDA_SUCCESS or the failing call's result */
+	const char *call;      /* the failing call */
+	uint64_t got;          /* bytes allocated */
+	CUdeviceptr base;      /* the allocation */
+	CUipcMemHandle handle; /* its IPC handle */
+	grow_job *prev, *next; /* pool.growing */
+};
+
+/* cuMemFree an allocation (work) and drop it from the books (done). */
+typedef struct free_job {
+	backend_job job;     /* first: the server sees this */
+	cuda_backend *cu;    /* owner */
+	cuda_dev *dev;       /* where the allocation lies */
+	CUcontext ctx;       /* its primary context */
+	CUdeviceptr base;    /* the allocation */
+	uint64_t size;       /* its bytes (in reserved and freeing until done) */
+	uint64_t allocation; /* its identity, for the log */
+	CUresult rc;         /* written by work */
+} free_job;
+
+/* Runs after the retries that followed a grow (see the top). */
+typedef struct settle_job {
+	backend_job job;  /* first: the server sees this */
+	cuda_backend *cu; /* owner */
+} settle_job;
+
+static const char *human(uint64_t n, char out[32])
+{
+	static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+	double v = (double)n;
+	int u = 0;
+	if (n < 1024) {
+		snprintf(out, 32, "%" PRIu64 " B", n);
+		return out;
+	}
+	while (v >= 1024 && u < 5) {
+		v /= 1024;
+		u++;
+	}
+	snprintf(out, 32, "%.1f %s", v, units[u]);
+	return out;
+}
+
+static uint64_t align_up(uint64_t v, uint64_t a)
+{
+	return (v + a - 1) / a * a;
+}
+
+static void submit(cuda_backend *cu, backend_job *job)
+{
+	cu->jobs++;
+	backend_submit(&cu->be, job);
+}
+
+/* ---- the device cache ------------------------------------------------------ */
+
+static void cache_add(cuda_dev *d, slab *s)
+{
+	if (s->cached)
+		return;
+	s->cached = true;
+	d->cached += s->size;
+	DL_APPEND2(d->cache, s, cprev, cnext);
+}
+
+static void cache_remove(cuda_dev *d, slab *s)
+{
+	if (!s->cached)
+		return;
+	s->cached = false;
+	d->cached -= s->size;
+	DL_DELETE2(d->cache, s, cprev, cnext);
+}
+
+/* Cached bytes that may be freed now (fresh slabs wait for their settle). */
+static uint64_t evictable(const cuda_dev *d)
+{
+	uint64_t n = 0;
+	for (const slab *s = d->cache; s; s = s->cnext)
+		if (!s->fresh)
+			n += s->size;
+	return n;
+}
+
+/* ---- freeing allocations --------------------------------------------------- */
+
+static void free_work(backend_job *job)
+{
+	free_job *f = (free_job *)job;
+	const bb_cuda *api = &f->cu->api;
+	f->rc = api->CtxSetCurrent(f->ctx);
+	if (f->rc == CUDA_SUCCESS)
+		f->rc = api->MemFree(f->base);
+}
+
+static void free_done(backend_job *job)
+{
+	free_job *f = (free_job *)job;
+	cuda_backend *cu = f->cu;
+	char eb[160], h[32];
+	if (f->rc != CUDA_SUCCESS)
+		log_warn("event=cuda_free_failed device=%d allocation=%" PRIu64 " size=%" PRIu64
+			 " error=\"%s\"",
+			 f->dev->ordinal, f->allocation, f->size,
+			 bb_cuda_error(&cu->api, f->rc, eb, sizeof(eb)));
+	else
+		log_debug("event=cuda_freed device=%d allocation=%" PRIu64 " size=%s",
+			  f->dev->ordinal, f->allocation, human(f->size, h));
+	/* A failed cuMemFree leaves nothing the daemon can do; the books
+	 * drop it either way so the limit does not shrink for ever. */
+	f->dev->reserved -= f->size;
+	f->dev->freeing -= f->size;
+	cu->jobs--;
+	free(f);
+}
+
+/* Take s out of its pool and free its allocation off the loop thread.
+ * reserved drops when that is done. s must hold no buffer. */
+static void slab_release(cuda_backend *cu, slab *s)
+{
+	cuda_dev *d = s->pool->dev;
+	cache_remove(d, s);
+	DL_DELETE(s->pool->slabs, s);
+	extent *e, *tmp;
+	DL_FOREACH_SAFE (s->free, e, tmp) {
+		DL_DELETE(s->free, e);
+		free(e);
+	}
+	d->freeing += s->size;
+	free_job *f = calloc(1, sizeof(*f));
+	if (f) {
+		f->job.work = free_work;
+		f->job.done = free_done;
+		f->cu = cu;
+		f->dev = d;
+		f->ctx = d->ctx;
+		f->base = s->base;
+		f->size = s->size;
+		f->allocation = s->allocation;
+		submit(cu, &f->job);
+	} else {
+		/* No memory for a job: free it here, on the loop thread. */
+		cu->api.CtxSetCurrent(d->ctx);
+		cu->api.MemFree(s->base);
+		d->reserved -= s->size;
+		d->freeing -= s->size;
+	}
+	free(s);
+}
+
+/* Free cached slabs of d, oldest first, while more than keep bytes are
+ * cached. Fresh slabs stay. */
+static void cache_trim(cuda_backend *cu, cuda_dev *d, uint64_t keep)
+{
+	slab *s = d->cache, *next;
+	while (s && d->cached > keep) {
+		next = s->cnext;
+		if (!s->fresh)
+			slab_release(cu, s);
+		s = next;
+	}
+}
+
+/* ---- growing --------------------------------------------------------------- */
+
+static void settle_work(backend_job *job)
+{
+	(void)job;
+}
+
+static void settle_done(backend_job *job)
+{
+	settle_job *st = (settle_job *)job;
+	cuda_backend *cu = st->cu;
+	pool *p, *ptmp;
+	HASH_ITER (hh, cu->pools, p, ptmp) {
+		/* A failure nobody came back for is stale by now. */
+		p->fail_code = 0;
+		slab *s, *stmp;
+		DL_FOREACH_SAFE (p->slabs, s, stmp) {
+			if (!s->fresh)
+				continue;
+			s->fresh = false;
+			/* Made for a request that went away. */
+			if (s->dedicated && s->live == 0)
+				slab_release(cu, s);
+		}
+	}
+	for (int i = 0; i < cu->ndev; i++)
+		cache_trim(cu, &cu->devs[i], cu->cfg.cache_bytes);
+	cu->jobs--;
+	free(st);
+}
+
+static void grow_work(backend_job *job)
+{
+	grow_job *g = (grow_job *)job;
+	const bb_cuda *api = &g->cu->api;
+	g->call = "cuCtxSetCurrent";
+	g->rc = api->CtxSetCurrent(g->ctx);
+	if (g->rc != CUDA_SUCCESS)
+		return;
+	g->call = "cuMemAlloc";
+	g->got = g->size;
+	g->rc = api->MemAlloc(&g->base, (size_t)g->got);
+	if (g->rc == CUDA_ERROR_OUT_OF_MEMORY && g->min_size < g->size) {
+		/* Others hold the device: a smaller slab still serves the
+		 * request that asked. */
+		g->got = g->min_size;
+		g->rc = api->MemAlloc(&g->base, (size_t)g->got);
+	}
+	if (g->rc != CUDA_SUCCESS)
+		return;
+	g->call = "cuIpcGetMemHandle";
+	g->rc = api->IpcGetMemHandle(&g->handle, g->base);
+	if (g->rc != CUDA_SUCCESS)
+		api->MemFree(g->base);
+}
+
+static void grow_done(backend_job *job)
+{
+	grow_job *g = (grow_job *)job;
+	cuda_backend *cu = g->cu;
+	pool *p = g->pool;
+	cuda_dev *d = p->dev;
+	char eb[160], h[32];
+
+	DL_DELETE(p->growing, g);
+	d->reserved -= g->size;
+	slab *s = NULL;
+	extent *e = NULL;
+	if (g->rc == CUDA_SUCCESS) {
+		s = calloc(1, sizeof(*s));
+		e = calloc(1, sizeof(*e));
+		if (!s || !e) {
+			free(s);
+			free(e);
+			s = NULL;
+			cu->api.CtxSetCurrent(d->ctx);
+			cu->api.MemFree(g->base);
+			p->fail_code = BB_ERR_NO_MEMORY;
+			p->fail_dedicated = g->dedicated;
+			p->fail_size = g->size;
+			snprintf(p->fail_msg, sizeof(p->fail_msg), "daemon out of memory");
+		}
+	}
+	if (s) {
+		s->pool = p;
+		s->base = g->base;
+		s->size = g->got;
+		s->handle = g->handle;
+		s->allocation = ++cu->next_allocation;
+		s->dedicated = g->dedicated;
+		s->fresh = true;
+		e->slab = s;
+		e->off = 0;
+		e->len = s->size;
+		DL_APPEND(s->free, e);
+		d->reserved += s->size;
+		DL_APPEND(p->slabs, s);
+		if (!s->dedicated)
+			cache_add(d, s);
+		log_debug("event=cuda_grow device=%d uid=%u share=%d allocation=%" PRIu64
+			  " size=%s dedicated=%d",
+			  d->ordinal, p->key.uid, p->key.share, s->allocation, human(s->size, h),
+			  (int)s->dedicated);
+	} else if (g->rc != CUDA_SUCCESS) {
+		bb_cuda_error(&cu->api, g->rc, eb, sizeof(eb));
+		if (g->rc == CUDA_ERROR_OUT_OF_MEMORY && evictable(d) > 0) {
+			/* The device is full, partly with our own empty slabs:
+			 * free them; the requests retry once that is done. */
+			log_info("event=cuda_grow_evicts device=%d cached=%" PRIu64 " error=\"%s\"",
+				 d->ordinal, evictable(d), eb);
+			cache_trim(cu, d, 0);
+		} else {
+			p->fail_code = g->rc == CUDA_ERROR_OUT_OF_MEMORY ? BB_ERR_NO_MEMORY
+									 : BB_ERR_SYSTEM;
+			p->fail_dedicated = g->dedicated;
+			p->fail_size = g->size;
+			char h2[32];
+			if (g->got && g->got != g->size)
+				snprintf(p->fail_msg, sizeof(p->fail_msg),
+					 "%s of %s, then of %s, on device %d failed: %s", g->call,
+					 human(g->size, h), human(g->got, h2), d->ordinal, eb);
+			else
+				snprintf(p->fail_msg, sizeof(p->fail_msg),
+					 "%s of %s on device %d failed: %s", g->call,
+					 human(g->size, h), d->ordinal, eb);
+			log_warn("event=cuda_grow_failed device=%d uid=%u size=%" PRIu64
+				 " call=%s error=\"%s\"",
+				 d->ordinal, p->key.uid, g->got ? g->got : g->size, g->call, eb);
+		}
+	}
+	cu->jobs--;
+	free(g);
+
+	settle_job *st = calloc(1, sizeof(*st));
+	if (st) {
+		st->job.work = settle_work;
+		st->job.done = settle_done;
+		st->cu = cu;
+		submit(cu, &st->job);
+	}
+}
+
+/* Start making memory for a request of len bytes in p: BACKEND_GROW, or
+ * BB_ERR_NO_MEMORY when the device limit leaves no room. */
+static int grow(cuda_backend *cu, pool *p, uint64_t len, bool dedicated, char *err, size_t errlen)
+{
+	cuda_dev *d = p->dev;
+	char h1[32], h2[32], h3[32], h4[32];
+	uint64_t held = d->reserved - d->freeing;
+	uint64_t room = d->limit > held ? d->limit - held : 0;
+	uint64_t spare = evictable(d);
+	uint64_t want = dedicated ? len : cu->cfg.slab_bytes;
+
+	if (!dedicated && want > room + spare) {
+		/* Near the limit a smaller slab still serves this request. */
+		uint64_t fit = (room + spare) / SLAB_GRANULE * SLAB_GRANULE;
+		want = fit > len ? fit : len;
+	}
+	if (want > room + spare) {
+		snprintf(
+			err, errlen,
+			"device %d would hold %s (%s for this buffer on top of %s); the limit is %s "
+			"(--cuda-device-bytes)",
+			d->ordinal, human(held - spare + want, h1), human(want, h2),
+			human(held - spare, h3), human(d->limit, h4));
+		return BB_ERR_NO_MEMORY;
+	}
+	if (want > room) {
+		/* Free cached slabs, oldest first, until it fits; grow after. */
+		for (slab *s = d->cache, *next; s && want > room; s = next) {
+			next = s->cnext;
+			if (s->fresh)
+				continue;
+			room += s->size;
+			slab_release(cu, s);
+		}
+		return BACKEND_GROW;
+	}
+	if (d->freeing > 0) {
+		/* Memory we are giving back may not be back yet: grow once it
+		 * is, so the driver sees it free. */
+		return BACKEND_GROW;
+	}
+
+	grow_job *g = calloc(1, sizeof(*g));
+	if (!g) {
+		snprintf(err, errlen, "daemon out of memory");
+		return BB_ERR_NO_MEMORY;
+	}
+	g->job.work = grow_work;
+	g->job.done = grow_done;
+	g->cu = cu;
+	g->pool = p;
+	g->ctx = d->ctx;
+	g->size = want;
+	g->dedicated = dedicated;
+	g->min_size = dedicated ? want : align_up(len, SLAB_GRANULE);
+	if (g->min_size > want)
+		g->min_size = want;
+	d->reserved += want;
+	DL_APPEND(p->growing, g);
+	submit(cu, &g->job);
+	return BACKEND_GROW;
+}
+
+/* ---- the vtable -------------------------------------------------------------- */
+
+static pool *pool_get(cuda_backend *cu, int device, uint32_t uid, int share)
+{
+	pool_key k;
+	pool *p;
+	memset(&k, 0, sizeof(k));
+	k.device = device;
+	k.uid = uid;
+	k.share = share;
+	HASH_FIND(hh, cu->pools, &k, sizeof(k), p);
+	if (p)
+		return p;
+	p = calloc(1, sizeof(*p));
+	if (!p)
+		return NULL;
+	p->key = k;
+	p->dev = &cu->devs[device];
+	HASH_ADD(hh, cu->pools, key, sizeof(k), p);
+	return p;
+}
+
+/* Carve len bytes out of p into x (first fit, oldest slab first); a
+ * dedicated request takes an unclaimed allocation of exactly len. NULL
+ * when nothing fits. */
+static slab *carve(pool *p, uint64_t len, bool dedicated, extent *x)
+{
+	slab *s;
+	DL_FOREACH (p->slabs, s) {
+		if (s->dedicated != dedicated || (dedicated && (s->live || s->size != len)))
+			continue;
+		extent *e;
+		DL_FOREACH (s->free, e) {
+			if (e->len >= len)
+				break;
+		}
+		if (!e)
+			continue;
+		x->slab = s;
+		x->off = e->off;
+		x->len = len;
+		e->off += len;
+		e->len -= len;
+		if (e->len == 0) {
+			DL_DELETE(s->free, e);
+			free(e);
+		}
+		cache_remove(p->dev, s);
+		s->live++;
+		return s;
+	}
+	return NULL;
+}
+
+/* Give x's range back to its slab's free list, merging with neighbours;
+ * x is freed or becomes a free-list node. */
+static void extent_put(extent *x)
+{
+	slab *s = x->slab;
+	extent *e, *prev = NULL;
+	DL_FOREACH (s->free, e) {
+		if (e->off > x->off)
+			break;
+		prev = e;
+	}
+	bool with_prev = prev && prev->off + prev->len == x->off;
+	bool with_next = e && x->off + x->len == e->off;
+	if (with_prev && with_next) {
+		prev->len += x->len + e->len;
+		DL_DELETE(s->free, e);
+		free(e);
+		free(x);
+	} else if (with_prev) {
+		prev->len += x->len;
+		free(x);
+	} else if (with_next) {
+		e->off = x->off;
+		e->len += x->len;
+		free(x);
+	} else if (e) {
+		DL_PREPEND_ELEM(s->free, e, x);
+	} else {
+		DL_APPEND(s->free, x);
+	}
+}
+
+static int cuda_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
+		      backend_mem *out, char *err, size_t errlen)
+{
+	cuda_backend *cu = be->ctx;
+	char h[32];
+
+	if (device < 0 || device >= cu->ndev) {
+		snprintf(err, errlen,
+			 "device %d is not a CUDA device of this daemon (it serves %d: 0-%d)",
+			 device, cu->ndev, cu->ndev - 1);
+		return BB_ERR_INVALID;
+	}
+	if (size > UINT64_MAX - SLAB_GRANULE) {
+		snprintf(err, errlen, "%s is too large for a CUDA buffer", human(size, h));
+		return BB_ERR_INVALID;
+	}
+	uint64_t len = align_up(size, BACKEND_CUDA_ALIGN);
+	bool dedicated = len > cu->cfg.slab_bytes;
+	pool *p = pool_get(cu, device, uid, share);
+	extent *x = calloc(1, sizeof(*x));
+	if (!p || !x) {
+		free(x);
+		snprintf(err, errlen, "daemon out of memory");
+		return BB_ERR_NO_MEMORY;
+	}
+	if (carve(p, len, dedicated, x)) {
+		p->dev->used += size;
+		out->fd = -1;
+		out->size = size;
+		out->priv = x;
+		return 0;
+	}
+	free(x);
+	if (p->fail_code && p->fail_dedicated == dedicated && (!dedicated || p->fail_size == len)) {
+		/* The grow made for this request failed: say why, once. */
+		int rc = p->fail_code;
+		p->fail_code = 0;
+		snprintf(err, errlen, "%s", p->fail_msg);
+		return rc;
+	}
+	for (grow_job *g = p->growing; g; g = g->next)
+		if (g->dedicated == dedicated && (!dedicated || g->size == len))
+			return BACKEND_GROW;
+	return grow(cu, p, len, dedicated, err, errlen);
+}
+
+static void cuda_free(backend *be, backend_mem *mem)
+{
+	cuda_backend *cu = be->ctx;
+	extent *x = mem->priv;
+	if (!x)
+		return;
+	mem->priv = NULL;
+	slab *s = x->slab;
+	cuda_dev *d = s->pool->dev;
+	d->used -= mem->size;
+	s->live--;
+	extent_put(x);
+	if (s->live)
+		return;
+	if (s->dedicated) {
+		slab_release(cu, s);
+	} else {
+		cache_add(d, s);
+		cache_trim(cu, d, cu->cfg.cache_bytes);
+	}
+}
+
+static int cuda_export(backend *be, const backend_mem *mem, backend_export *out, char *err,
+		       size_t errlen)
+{
+	(void)be;
+	const extent *x = mem->priv;
+	if (!x) {
+		snprintf(err, errlen, "the buffer has no device memory");
+		return BB_ERR_SYSTEM;
+	}
+	const slab *s = x->slab;
+	_Static_assert(sizeof(out->ipc_handle) == sizeof(s->handle), "IPC handle size");
+	out->fd = -1;
+	memcpy(out->ipc_handle, &s->handle, sizeof(out->ipc_handle));
+	out->has_ipc = 1;
+	out->offset = x->off;
+	memcpy(out->device_uuid, s->pool->dev->uuid, sizeof(out->device_uuid));
+	out->allocation = s->allocation;
+	return 0;
+}
+
+static int cuda_devices(backend *be, backend_device *out, int max)
+{
+	cuda_backend *cu = be->ctx;
+	CUcontext prev = NULL;
+	int n = 0;
+	cu->api.CtxGetCurrent(&prev);
+	for (; n < cu->ndev && n < max; n++) {
+		const cuda_dev *d = &cu->devs[n];
+		backend_device *o = &out[n];
+		size_t fr = 0, tot = 0;
+		memset(o, 0, sizeof(*o));
+		o->ordinal = d->ordinal;
+		snprintf(o->name, sizeof(o->name), "%s", d->name);
+		memcpy(o->uuid, d->uuid, sizeof(o->uuid));
+		o->total = d->total;
+		if (cu->api.CtxSetCurrent(d->ctx) == CUDA_SUCCESS &&
+		    cu->api.MemGetInfo(&fr, &tot) == CUDA_SUCCESS)
+			o->free = fr;
+		o->used = d->used;
+		o->reserved = d->reserved;
+		o->limit = d->limit;
+	}
+	cu->api.CtxSetCurrent(prev);
+	return n;
+}
+
+static void cuda_destroy(backend *be)
+{
+	cuda_backend *cu = be->ctx;
+	pool *p, *ptmp;
+	if (cu->jobs)
+		log_error("event=cuda_destroy_early jobs=%u", cu->jobs);
+	HASH_ITER (hh, cu->pools, p, ptmp) {
+		slab *s, *stmp;
+		if (p->slabs)
+			cu->api.CtxSetCurrent(p->dev->ctx);
+		DL_FOREACH_SAFE (p->slabs, s, stmp) {
+			if (s->live)
+				log_warn("event=cuda_destroy_live device=%d allocation=%" PRIu64
+					 " buffers=%u",
+					 p->dev->ordinal, s->allocation, s->live);
+			cu->api.MemFree(s->base);
+			extent *e, *etmp;
+			DL_FOREACH_SAFE (s->free, e, etmp) {
+				DL_DELETE(s->free, e);
+				free(e);
+			}
+			DL_DELETE(p->slabs, s);
+			free(s);
+		}
+		HASH_DEL(cu->pools, p);
+		free(p);
+	}
+	cu->api.CtxSetCurrent(NULL);
+	for (int i = 0; i < cu->ndev; i++)
+		cu->api.DevicePrimaryCtxRelease(cu->devs[i].dev);
+	bb_cuda_unload(&cu->api);
+	free(cu->devs);
+	free(cu);
+}
+
+/* ---- construction ------------------------------------------------------------ */
+
+void backend_cuda_config_default(backend_cuda_config *cfg)
+{
+	cfg->slab_bytes = BACKEND_CUDA_SLAB_DEFAULT;
+	cfg->cache_bytes = BACKEND_CUDA_CACHE_DEFAULT;
+	cfg->device_bytes = 0;
+}
+
+int backend_cuda_driver_version(const backend *be)
+{
+	return ((const cuda_backend *)be->ctx)->driver_version;
+}
+
+const backend_cuda_config *backend_cuda_config_of(const backend *be)
+{
+	return &((const cuda_backend *)be->ctx)->cfg;
+}
+
+const char *backend_cuda_library(const backend *be)
+{
+	(void)be;
+	return bb_cuda_library_path();
+}
+
+/* Learn device i and retain its primary context. 0, or -1 with why. */
+static int device_open(cuda_backend *cu, int i, char *why, size_t whylen)
+{
+	const bb_cuda *api = &cu->api;
+	cuda_dev *d = &cu->devs[i];
+	CUuuid uuid;
+	size_t total = 0;
+	const char *call;
+	CUresult rc;
+	char eb[160];
+
+	d->ordinal = i;
+	if ((rc = api->DeviceGet(&d->dev, i)) != CUDA_SUCCESS) {
+		call = "cuDeviceGet";
+		goto err;
+	}
+	if ((rc = api->DeviceGetName(d->name, (int)sizeof(d->name), d->dev)) != CUDA_SUCCESS) {
+		call = "cuDeviceGetName";
+		goto err;
+	}
+	d->name[sizeof(d->name) - 1] = '\0';
+	if ((rc = api->DeviceGetUuid(&uuid, d->dev)) != CUDA_SUCCESS) {
+		call = "cuDeviceGetUuid";
+		goto err;
+	}
+	memcpy(d->uuid, uuid.bytes, sizeof(d->uuid));
+	if ((rc = api->DeviceTotalMem(&total, d->dev)) != CUDA_SUCCESS) {
+		call = "cuDeviceTotalMem";
+		goto err;
+	}
+	d->total = total;
+	if ((rc = api->DevicePrimaryCtxRetain(&d->ctx, d->dev)) != CUDA_SUCCESS) {
+		call = "cuDevicePrimaryCtxRetain";
+		goto err;
+	}
+	d->limit = cu->cfg.device_bytes ? cu->cfg.device_bytes : d->total / 10 * 9;
+	return 0;
+err:
+	snprintf(why, whylen, "device %d: %s failed: %s", i, call,
+		 bb_cuda_error(api, rc, eb, sizeof(eb)));
+	return -1;
+}
+
+backend *backend_cuda_new(const backend_cuda_config *cfg, char *why, size_t whylen)
+{
+	cuda_backend *cu = calloc(1, sizeof(*cu));
+	char eb[160];
+	int n = 0, opened = 0;
+	CUresult rc;
+
+	if (!cu) {
+		snprintf(why, whylen, "out of memory");
+		return NULL;
+	}
+	if (cfg)
+		cu->cfg = *cfg;
+	else
+		backend_cuda_config_default(&cu->cfg);
+	if (cu->cfg.slab_bytes < BACKEND_CUDA_SLAB_MIN)
+		cu->cfg.slab_bytes = BACKEND_CUDA_SLAB_MIN;
+	cu->cfg.slab_bytes = align_up(cu->cfg.slab_bytes, SLAB_GRANULE);
+
+	if (bb_cuda_load(&cu->api, why, whylen) < 0)
+		goto err_free;
+	cu->api.DriverGetVersion(&cu->driver_version);
+	if ((rc = cu->api.DeviceGetCount(&n)) != CUDA_SUCCESS) {
+		snprintf(why, whylen, "cuDeviceGetCount failed: %s",
+			 bb_cuda_error(&cu->api, rc, eb, sizeof(eb)));
+		goto err_unload;
+	}
+	if (n <= 0) {
+		snprintf(why, whylen, "the CUDA driver %s reports no devices",
+			 bb_cuda_library_path());
+		goto err_unload;
+	}
+	if (!(cu->devs = calloc((size_t)n, sizeof(*cu->devs)))) {
+		snprintf(why, whylen, "out of memory");
+		goto err_unload;
+	}
+	for (; opened < n; opened++)
+		if (device_open(cu, opened, why, whylen) < 0)
+			goto err_devices;
+	cu->ndev = n;
+
+	cu->be.name = "cuda";
+	cu->be.ctx = cu;
+	cu->be.alloc = cuda_alloc;
+	cu->be.import_fd = NULL;
+	cu->be.free = cuda_free;
+	cu->be.export_mem = cuda_export;
+	cu->be.destroy = cuda_destroy;
+	cu->be.devices = cuda_devices;
+	return &cu->be;
+
+err_devices:
+	for (int i = 0; i < opened; i++)
+		cu->api.DevicePrimaryCtxRelease(cu->devs[i].dev);
+	free(cu->devs);
+err_unload:
+	bb_cuda_unload(&cu->api);
+err_free:
+	free(cu);
+	return NULL;
+}

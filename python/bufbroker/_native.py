@@ -1,0 +1,159 @@
+"""Load libbufbroker and declare its C API for ctypes.
+
+Everything here mirrors include/bufbroker/bufbroker.h; nothing else in the
+package touches ctypes prototypes. The library is loaded on first use, so
+``import bufbroker`` works (constants, exceptions, docs) even where the
+library is not installed.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import threading
+
+# Sizes from the header.
+IPC_HANDLE_SIZE = 64
+TOKEN_SIZE = 16
+NAME_MAX = 127
+
+# bb_kind, bb_state and BB_SHARE_*.
+KIND_HOST = 1
+KIND_CUDA = 2
+STATE_PENDING = 0
+STATE_READY = 1
+STATE_FAILED = 2
+SHARE_UID = 0
+SHARE_GID = 1
+SHARE_ANY = 2
+
+
+class bb_token(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * TOKEN_SIZE)]
+
+
+class bb_alloc_opts(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("kind", ctypes.c_int),  # bb_kind
+        ("device", ctypes.c_int),
+        ("name", ctypes.c_char_p),
+        ("share", ctypes.c_int),
+    ]
+
+
+class bb_info(ctypes.Structure):
+    _fields_ = [
+        ("id", ctypes.c_uint64),
+        ("size", ctypes.c_size_t),
+        ("kind", ctypes.c_int),  # bb_kind
+        ("device", ctypes.c_int),
+        ("state", ctypes.c_int),  # bb_state
+        ("refs", ctypes.c_uint64),
+        ("name", ctypes.c_char * (NAME_MAX + 1)),
+        ("error", ctypes.c_char * 256),
+    ]
+
+
+class bb_cuda_ipc(ctypes.Structure):
+    _fields_ = [
+        ("handle", ctypes.c_ubyte * IPC_HANDLE_SIZE),
+        ("offset", ctypes.c_uint64),
+        ("size", ctypes.c_size_t),
+        ("device_uuid", ctypes.c_ubyte * 16),
+    ]
+
+
+_client_p = ctypes.c_void_p  # bb_client *
+_buf_p = ctypes.c_void_p  # bb_buf *
+_P = ctypes.POINTER
+
+# name: (restype, argtypes)
+_PROTOTYPES = {
+    "bb_connect": (ctypes.c_int, [ctypes.c_char_p, _P(_client_p)]),
+    "bb_disconnect": (None, [_client_p]),
+    "bb_alloc": (ctypes.c_int, [_client_p, _P(bb_alloc_opts), _P(_buf_p)]),
+    "bb_open": (ctypes.c_int, [_client_p, ctypes.c_uint64, _P(_buf_p)]),
+    "bb_open_name": (ctypes.c_int, [_client_p, ctypes.c_char_p, _P(_buf_p)]),
+    "bb_import_fd": (ctypes.c_int, [_client_p, ctypes.c_int, _P(bb_alloc_opts), _P(_buf_p)]),
+    "bb_ref": (_buf_p, [_buf_p]),
+    "bb_unref": (None, [_buf_p]),
+    "bb_take": (ctypes.c_int, [_buf_p, _P(bb_token)]),
+    "bb_adopt": (ctypes.c_int, [_client_p, _P(bb_token), _P(_buf_p)]),
+    "bb_token_format": (None, [_P(bb_token), ctypes.c_char_p]),
+    "bb_token_parse": (ctypes.c_int, [ctypes.c_char_p, _P(bb_token)]),
+    "bb_set_ready": (ctypes.c_int, [_buf_p]),
+    "bb_set_error": (ctypes.c_int, [_buf_p, ctypes.c_char_p]),
+    "bb_wait": (ctypes.c_int, [_buf_p, ctypes.c_int, _P(ctypes.c_int)]),
+    "bb_map": (ctypes.c_int, [_buf_p, _P(ctypes.c_void_p)]),
+    "bb_cuda_ipc_of": (ctypes.c_int, [_buf_p, _P(bb_cuda_ipc)]),
+    "bb_id": (ctypes.c_uint64, [_buf_p]),
+    "bb_size": (ctypes.c_size_t, [_buf_p]),
+    "bb_buf_kind": (ctypes.c_int, [_buf_p]),
+    "bb_stat": (ctypes.c_int, [_client_p, ctypes.c_uint64, _P(bb_info)]),
+    "bb_retain": (ctypes.c_int, [_client_p, ctypes.c_uint64, ctypes.c_uint32]),
+    "bb_release": (ctypes.c_int, [_client_p, ctypes.c_uint64, ctypes.c_uint32]),
+    "bb_strerror": (ctypes.c_char_p, [ctypes.c_int]),
+    "bb_last_error": (ctypes.c_char_p, []),
+}
+
+_lock = threading.Lock()
+_lib = None
+
+
+def library_candidates():
+    """The names ``lib()`` tries, in order: $BUFBROKER_LIBRARY (alone, when
+    set), else what ``ctypes.util.find_library("bufbroker")`` finds, then
+    ``libbufbroker.so.0``."""
+    env = os.environ.get("BUFBROKER_LIBRARY")
+    if env:
+        return [env]
+    names = []
+    found = ctypes.util.find_library("bufbroker")
+    if found:
+        names.append(found)
+    if "libbufbroker.so.0" not in names:
+        names.append("libbufbroker.so.0")
+    return names
+
+
+def lib():
+    """The loaded libbufbroker with its prototypes declared; loads it on the
+    first call. Raises OSError naming every path tried when none loads."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        errors = []
+        for name in library_candidates():
+            try:
+                handle = ctypes.CDLL(name)
+            except OSError as e:
+                errors.append(f"{name}: {e}")
+                continue
+            try:
+                for fn, (restype, argtypes) in _PROTOTYPES.items():
+                    f = getattr(handle, fn)
+                    f.restype = restype
+                    f.argtypes = argtypes
+            except AttributeError as e:
+                errors.append(f"{name}: not a libbufbroker: {e}")
+                continue
+            _lib = handle
+            return _lib
+        raise OSError(
+            "cannot load libbufbroker (set BUFBROKER_LIBRARY to its path): " + "; ".join(errors)
+        )
+
+
+def last_error():
+    """bb_last_error() as text: the calling thread's last failure."""
+    raw = lib().bb_last_error()
+    return raw.decode("utf-8", "replace") if raw else ""
+
+
+def strerror(code):
+    """bb_strerror(code) as text."""
+    raw = lib().bb_strerror(code)
+    return raw.decode("utf-8", "replace") if raw else ""

@@ -1,0 +1,681 @@
+"""Client (one connection to bufbrokerd) and Buffer (one handle to a buffer).
+
+Lifetimes, and why they are safe:
+
+* A ``_Connection`` owns the ``bb_client *``. The Client, every Buffer made
+  through it and every memory export (host memory view, CUDA array
+  interface) keeps it alive, so the connection closes only when nothing can
+  reach its handles any more, or when ``Client.close()`` is called.
+* Each Buffer object owns one local count of its ``bb_buf *`` (``bb_ref`` /
+  ``bb_unref``); ``Buffer.ref()`` makes another object with another count.
+* Each memory export owns a count of its own, so closing the Buffer never
+  unmaps memory that a view still uses: the daemon reference is released
+  when the last of the Buffer and its views goes. ``Client.close()`` with
+  views alive closes the client for use at once and defers the disconnect
+  (which would unmap) until the last view is gone.
+* Every call that uses a handle holds a temporary count and pins the
+  connection for its duration, so a close() on another thread cannot free
+  a handle under a call in progress.
+"""
+
+import contextlib
+import ctypes
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Optional
+
+from . import _native as _n
+from .errors import ERR_INVALID, ERR_TIMEOUT, BufbrokerError, InvalidArgument, error_for
+
+_KINDS = {"host": _n.KIND_HOST, "cuda": _n.KIND_CUDA}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+_STATE_NAMES = {_n.STATE_PENDING: "pending", _n.STATE_READY: "ready", _n.STATE_FAILED: "failed"}
+_SHARES = {"uid": _n.SHARE_UID, "gid": _n.SHARE_GID, "any": _n.SHARE_ANY}
+
+_INT_MAX = 2**31 - 1
+_UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
+_SIZE_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_size_t)) - 1
+# bb_wait is called in slices of at most this many ms, so that signal
+# handlers (Ctrl-C) run while a long wait is in progress.
+_WAIT_SLICE_MS = 1000
+
+
+def _check(rc):
+    """Raise the BufbrokerError for a non-zero libbufbroker return code."""
+    if rc != 0:
+        raise error_for(rc, _n.last_error())
+
+
+def _invalid(message):
+    return InvalidArgument(ERR_INVALID, message)
+
+
+def _uint(what, value, maximum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(f"{what} must be an int, not {type(value).__name__}")
+    if value < 0 or value > maximum:
+        raise _invalid(f"{what} {value} is out of range (0..{maximum})")
+    return value
+
+
+def _choice(what, value, table):
+    if isinstance(value, str):
+        try:
+            return table[value.lower()]
+        except KeyError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool) and value in table.values():
+        return value
+    names = ", ".join(repr(k) for k in table)
+    raise _invalid(f"{what} must be one of {names}, not {value!r}")
+
+
+def _text(what, value):
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    raise _invalid(f"{what} must be a str, not {type(value).__name__}")
+
+
+def _decode(raw):
+    return raw.decode("utf-8", "replace")
+
+
+def strerror(code):
+    """The library's sentence for a BB_ERR_* code (bb_strerror)."""
+    return _n.strerror(code)
+
+
+@dataclass(frozen=True)
+class Info:
+    """A buffer as the daemon sees it now (``bb_stat``).
+
+    Attributes:
+        id: the buffer's id.
+        size: its size in bytes.
+        kind: ``"host"`` or ``"cuda"``.
+        device: the CUDA device ordinal as the daemon numbers devices (0 for host).
+        state: ``"pending"``, ``"ready"`` or ``"failed"``.
+        refs: the daemon's count: one per connection holding it plus live tokens.
+        name: its name, or None when unnamed.
+        error: the message given to ``set_error``, or None.
+    """
+
+    id: int
+    size: int
+    kind: str
+    device: int
+    state: str
+    refs: int
+    name: Optional[str]
+    error: Optional[str]
+
+
+#: What ``Buffer.cuda_ipc()`` returns (``bb_cuda_ipc``): the
+#: cudaIpcMemHandle_t bytes of the allocation holding the buffer, the
+#: buffer's offset inside it, its size, and the device's UUID bytes.
+CudaIpc = namedtuple("CudaIpc", ["handle", "offset", "size", "device_uuid"])
+
+
+def _info_from(raw):
+    return Info(
+        id=raw.id,
+        size=raw.size,
+        kind=_KIND_NAMES.get(raw.kind, str(raw.kind)),
+        device=raw.device,
+        state=_STATE_NAMES.get(raw.state, str(raw.state)),
+        refs=raw.refs,
+        name=_decode(raw.name) or None,
+        error=_decode(raw.error) or None,
+    )
+
+
+# ---- the connection ----------------------------------------------------------
+
+
+def _disconnect(ptr, pid):
+    if os.getpid() == pid:
+        _n.lib().bb_disconnect(ptr)
+
+
+def _release_handle(conn, handle):
+    """A Buffer's finalizer: give its local count back."""
+    if os.getpid() != conn.pid:
+        return  # a forked child: the handle is the parent's
+    with conn.lock:
+        if conn.closing:
+            return  # the disconnect releases it
+        conn.pins += 1
+    try:
+        _n.lib().bb_unref(handle)
+    finally:
+        conn.unpin()
+
+
+def _export_gone(conn, handle):
+    """A memory export's finalizer: its count and its pin go."""
+    if os.getpid() != conn.pid:
+        return
+    _n.lib().bb_unref(handle)
+    conn.unpin()
+
+
+class _Connection:
+    """One bb_client, shared by a Client, its Buffers and their exports."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr  # the bb_client * as an int
+        self.pid = os.getpid()  # the process that may use it
+        self.lock = threading.Lock()  # guards pins and closing
+        self.pins = 0  # calls in flight plus live memory exports
+        self.closing = False  # Client.close() was called
+        self.buffers = weakref.WeakSet()  # live Buffer objects, detached on close
+        self._finalizer = weakref.finalize(self, _disconnect, ptr, self.pid)
+        # At interpreter exit the process's end releases everything; an
+        # explicit disconnect then could unmap memory still in use.
+        self._finalizer.atexit = False
+
+    def pin(self):
+        """Keep the connection open until unpin(); raises when it is closed
+        or belongs to another process."""
+        if os.getpid() != self.pid:
+            raise RuntimeError(
+                f"this bufbroker connection belongs to process {self.pid}; "
+                "a forked child must make its own Client"
+            )
+        with self.lock:
+            if self.closing:
+                raise ValueError("the bufbroker Client is closed")
+            self.pins += 1
+
+    def unpin(self):
+        with self.lock:
+            self.pins -= 1
+            last = self.closing and self.pins == 0
+        if last:
+            self._finalizer()
+
+    @contextlib.contextmanager
+    def pinned(self):
+        self.pin()
+        try:
+            yield self.ptr
+        finally:
+            self.unpin()
+
+    def close(self):
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+            buffers = list(self.buffers)
+        for b in buffers:
+            b._detach()
+        with self.lock:
+            now = self.pins == 0
+        if now:
+            self._finalizer()
+
+    @property
+    def closed(self):
+        return self.closing
+
+
+# ---- the client ----------------------------------------------------------------
+
+
+class Client:
+    """One connection to bufbrokerd (``bb_connect``).
+
+    ``socket`` is the daemon's socket path; None uses ``$BUFBROKER_SOCKET``,
+    else the default socket. Use it as a context manager, or call
+    :meth:`close`; a Client that is simply dropped disconnects once no
+    Buffer made through it is left. The connection is thread-safe. A child
+    made by ``fork`` must not use its parent's Client: it makes its own.
+    """
+
+    def __init__(self, socket=None):
+        path = None if socket is None else os.fsencode(socket)
+        ptr = ctypes.c_void_p()
+        _check(_n.lib().bb_connect(path, ctypes.byref(ptr)))
+        self._conn = _Connection(ptr.value)
+        #: The socket path given, or None for the default.
+        self.socket = socket
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else "open"
+        return f"<bufbroker.Client socket={self.socket!r} {state}>"
+
+    def __reduce__(self):
+        raise TypeError("a bufbroker Client cannot be pickled; make one in each process")
+
+    @property
+    def closed(self):
+        """True once :meth:`close` was called."""
+        return self._conn.closed
+
+    def close(self):
+        """Disconnect: release every buffer held through this client and
+        close every Buffer object made through it (``bb_disconnect``).
+
+        Idempotent. Memory views and CUDA exports that are still alive keep
+        their memory: the disconnect waits until the last of them is gone
+        (the Client and its Buffers are closed for use at once)."""
+        self._conn.close()
+
+    def _buffer(self, fn, *args):
+        out = ctypes.c_void_p()
+        with self._conn.pinned() as c:
+            _check(fn(c, *args, ctypes.byref(out)))
+            return Buffer._new(self._conn, out.value)
+
+    @staticmethod
+    def _opts(size, kind, device, name, share):
+        opts = _n.bb_alloc_opts()
+        opts.size = _uint("size", size, _SIZE_MAX)
+        opts.kind = _choice("kind", kind, _KINDS)
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise _invalid(f"device must be an int, not {type(device).__name__}")
+        if not -(2**31) <= device <= _INT_MAX:
+            raise _invalid(f"device {device} is out of range")
+        opts.device = device
+        opts.name = _text("name", name)
+        opts.share = _choice("share", share, _SHARES)
+        return opts
+
+    def alloc(self, size, kind="host", device=0, name=None, share="uid"):
+        """A new PENDING buffer of ``size`` bytes (``bb_alloc``).
+
+        Args:
+            size: bytes, > 0.
+            kind: ``"host"`` (shared memory) or ``"cuda"`` (device memory).
+            device: the CUDA device ordinal as the daemon numbers devices.
+            name: None, or a name unique among live buffers (at most 127 bytes).
+            share: who may open it by id or name: ``"uid"``, ``"gid"`` or ``"any"``.
+
+        Returns the :class:`Buffer`, holding one reference. Raises
+        :class:`Exists` for a taken name, :class:`Unsupported` for a kind the
+        daemon cannot make, :class:`NoMemory` over a limit.
+        """
+        opts = self._opts(size, kind, device, name, share)
+        return self._buffer(_n.lib().bb_alloc, ctypes.byref(opts))
+
+    def open(self, id):
+        """One more reference to buffer ``id`` (``bb_open``): a Buffer.
+
+        Raises :class:`NotFound` or :class:`Denied`."""
+        return self._buffer(_n.lib().bb_open, _uint("id", id, _UINT64_MAX))
+
+    def open_name(self, name):
+        """One more reference to the buffer called ``name`` (``bb_open_name``).
+
+        Raises :class:`NotFound` or :class:`Denied`."""
+        if name is None:
+            raise _invalid("name is required")
+        return self._buffer(_n.lib().bb_open_name, _text("name", name))
+
+    def import_fd(self, fd, size, name=None, share="uid"):
+        """Hand memory you own to the broker (``bb_import_fd``).
+
+        ``fd`` (an int, or an object with ``fileno()``) is a memfd made with
+        ``MFD_ALLOW_SEALING``, opened read-write, at least ``size`` bytes,
+        with no write seal. The daemon keeps its own duplicate and seals the
+        file against growing and shrinking; you may close yours. Returns the
+        new PENDING host :class:`Buffer`. An fd the daemon cannot seal is
+        refused with :class:`InvalidArgument`."""
+        if hasattr(fd, "fileno"):
+            fd = fd.fileno()
+        fd = _uint("fd", fd, _INT_MAX)
+        opts = self._opts(size, "host", 0, name, share)
+        return self._buffer(_n.lib().bb_import_fd, fd, ctypes.byref(opts))
+
+    def adopt(self, token):
+        """Receive the reference a token holds (``bb_adopt``).
+
+        ``token`` is the 32-hex-digit string :meth:`Buffer.take` returned
+        (or its 16 raw bytes). A token works once; a second adopt, or an
+        expired token, raises :class:`NotFound`."""
+        tok = _n.bb_token()
+        if isinstance(token, str):
+            _check(_n.lib().bb_token_parse(token.encode("ascii", "replace"), ctypes.byref(tok)))
+        elif isinstance(token, (bytes, bytearray)) and len(token) == _n.TOKEN_SIZE:
+            ctypes.memmove(tok.bytes, bytes(token), _n.TOKEN_SIZE)
+        else:
+            raise _invalid(
+                f"a token is a str of {2 * _n.TOKEN_SIZE} hex digits or {_n.TOKEN_SIZE} bytes"
+            )
+        return self._buffer(_n.lib().bb_adopt, ctypes.byref(tok))
+
+    def stat(self, id):
+        """The buffer ``id`` fresh from the daemon (``bb_stat``): an :class:`Info`.
+
+        Raises :class:`NotFound` once every holder has let it go."""
+        raw = _n.bb_info()
+        with self._conn.pinned() as c:
+            _check(_n.lib().bb_stat(c, _uint("id", id, _UINT64_MAX), ctypes.byref(raw)))
+        return _info_from(raw)
+
+    def retain(self, id, count=1):
+        """Add ``count`` raw daemon references to ``id`` for this connection
+        (``bb_retain``), for callers that manage references themselves."""
+        with self._conn.pinned() as c:
+            _check(
+                _n.lib().bb_retain(
+                    c, _uint("id", id, _UINT64_MAX), _uint("count", count, _UINT32_MAX)
+                )
+            )
+
+    def release(self, id, count=1):
+        """Give back ``count`` raw daemon references to ``id`` (``bb_release``)."""
+        with self._conn.pinned() as c:
+            _check(
+                _n.lib().bb_release(
+                    c, _uint("id", id, _UINT64_MAX), _uint("count", count, _UINT32_MAX)
+                )
+            )
+
+
+# ---- buffers -------------------------------------------------------------------
+
+
+class Buffer:
+    """A process-local handle to one buffer the daemon owns (``bb_buf``).
+
+    Made by :class:`Client` (``alloc``, ``open``, ``adopt``...), never
+    directly. It holds one reference: :meth:`close` (or leaving a ``with``
+    block, or garbage collection) gives it back, and the daemon frees the
+    buffer when its last holder lets go.
+
+    Host memory: :meth:`view` returns a writable ``memoryview`` of the
+    shared mapping with no copy; ``numpy.frombuffer(buf.view(), dtype)``
+    wraps it as an array. (CPython before 3.12 has no way for a Python class
+    to export the buffer protocol itself, so the view is a method; on 3.12+
+    ``memoryview(buf)`` works too.) A view keeps its memory mapped after the
+    Buffer is closed; the reference is released when the last view goes.
+
+    CUDA memory: ``__cuda_array_interface__`` (version 3) lets CuPy, Numba
+    and ``torch.as_tensor`` wrap the device memory; once it has been asked
+    for, the Buffer object keeps the mapping until it is garbage collected,
+    since those libraries keep the object, not a reference count.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Buffers are made by a bufbroker.Client (alloc, open, adopt, ...)")
+
+    @classmethod
+    def _new(cls, conn, handle):
+        self = object.__new__(cls)
+        lib = _n.lib()
+        self._conn = conn  # None once detached by Client.close()
+        self._handle = handle  # our bb_buf * (one local count); None when closed
+        self._lock = threading.Lock()  # guards _handle and _exported
+        self._id = lib.bb_id(handle)
+        self._size = lib.bb_size(handle)
+        self._kind = lib.bb_buf_kind(handle)
+        self._exported = False  # __cuda_array_interface__ was handed out
+        self._finalizer = weakref.finalize(self, _release_handle, conn, handle)
+        self._finalizer.atexit = False
+        with conn.lock:  # Client.close() lists them under the same lock
+            conn.buffers.add(self)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self.closed else "open"
+        return f"<bufbroker.Buffer id={self._id} size={self._size} kind={self.kind} {state}>"
+
+    def __reduce__(self):
+        raise TypeError(
+            "a bufbroker Buffer cannot be pickled; pass buf.take() (a token) "
+            "and Client.adopt() it in the other process"
+        )
+
+    # -- identity
+
+    @property
+    def id(self):
+        """The buffer's id (daemon-wide)."""
+        return self._id
+
+    @property
+    def size(self):
+        """The buffer's size in bytes."""
+        return self._size
+
+    @property
+    def kind(self):
+        """``"host"`` or ``"cuda"``."""
+        return _KIND_NAMES.get(self._kind, str(self._kind))
+
+    @property
+    def closed(self):
+        """True once closed, taken, or closed with its Client."""
+        return self._handle is None
+
+    # -- references
+
+    @contextlib.contextmanager
+    def _use(self):
+        """(handle, connection), with a temporary count of the handle and
+        the connection pinned until the block ends."""
+        with self._lock:
+            h = self._handle
+            if h is None:
+                raise ValueError("the bufbroker Buffer is closed")
+            conn = self._conn
+            conn.pin()
+            _n.lib().bb_ref(h)
+        try:
+            yield h, conn
+        finally:
+            _n.lib().bb_unref(h)
+            conn.unpin()
+
+    def _detach(self):
+        """Closed by Client.close(): the disconnect releases our count."""
+        with self._lock:
+            self._handle = None
+            self._finalizer.detach()
+            self._conn = None
+
+    def close(self):
+        """Give this object's reference back (``bb_unref``). Idempotent.
+
+        Views of the memory stay valid: the release waits for them."""
+        with self._lock:
+            h, self._handle = self._handle, None
+        if h is not None:
+            self._finalizer()
+
+    def ref(self):
+        """A new Buffer object with one more local count of the same handle
+        (``bb_ref``: no round trip). Close each independently."""
+        with self._use() as (h, conn):
+            return Buffer._new(conn, _n.lib().bb_ref(h))
+
+    def take(self):
+        """Surrender this object's reference into a token (``bb_take``).
+
+        Returns the token as 32 lowercase hex digits, which any process may
+        pass to :meth:`Client.adopt` once. This object is closed by it (its
+        count went into the token); take a ``ref()`` first to keep using the
+        buffer. Unadopted tokens expire (the daemon's token TTL)."""
+        tok = _n.bb_token()
+        with self._lock:
+            h = self._handle
+            if h is None:
+                raise ValueError("the bufbroker Buffer is closed")
+            conn = self._conn
+            conn.pin()
+            try:
+                _check(_n.lib().bb_take(h, ctypes.byref(tok)))
+                self._handle = None
+                self._finalizer.detach()
+            finally:
+                conn.unpin()
+        text = ctypes.create_string_buffer(2 * _n.TOKEN_SIZE + 1)
+        _n.lib().bb_token_format(ctypes.byref(tok), text)
+        return text.value.decode("ascii")
+
+    # -- state
+
+    def set_ready(self):
+        """PENDING -> READY; wakes waiters (``bb_set_ready``).
+
+        Raises :class:`StateError` when the buffer is not pending."""
+        with self._use() as (h, _):
+            _check(_n.lib().bb_set_ready(h))
+
+    def set_error(self, message=""):
+        """PENDING -> FAILED with ``message`` (kept up to 255 bytes), which
+        ``stat().error`` shows (``bb_set_error``). Raises :class:`StateError`
+        when the buffer is not pending."""
+        msg = _text("message", message if message is not None else "")
+        with self._use() as (h, _):
+            _check(_n.lib().bb_set_error(h, msg))
+
+    def wait(self, timeout=None):
+        """Wait until the buffer is no longer pending (``bb_wait``).
+
+        ``timeout`` is in seconds (None: forever; 0: just look). Returns the
+        state, ``"ready"`` or ``"failed"`` (a failed buffer is not an error
+        here; ``stat().error`` says why). Raises :class:`Timeout` when it is
+        still pending when the timeout passes. Long waits are made in
+        slices of a second, so Ctrl-C interrupts them."""
+        if timeout is None:
+            deadline = None
+        else:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise _invalid(f"timeout must be a number of seconds or None, not {timeout!r}")
+            if math.isnan(timeout) or timeout < 0:
+                raise _invalid(f"timeout must be >= 0 seconds, not {timeout!r}")
+            deadline = time.monotonic() + timeout
+        state = ctypes.c_int()
+        with self._use() as (h, _):
+            lib = _n.lib()
+            while True:
+                if deadline is None:
+                    ms = _WAIT_SLICE_MS
+                else:
+                    left = deadline - time.monotonic()
+                    ms = min(_WAIT_SLICE_MS, max(0, math.ceil(left * 1000)))
+                rc = lib.bb_wait(h, ms, ctypes.byref(state))
+                if rc == ERR_TIMEOUT and ms == _WAIT_SLICE_MS and (
+                    deadline is None or deadline - time.monotonic() > 0
+                ):
+                    continue  # a slice passed, not the caller's timeout
+                _check(rc)
+                return _STATE_NAMES.get(state.value, str(state.value))
+
+    def stat(self):
+        """This buffer fresh from the daemon: an :class:`Info`."""
+        raw = _n.bb_info()
+        with self._use() as (_, conn):
+            _check(_n.lib().bb_stat(conn.ptr, self._id, ctypes.byref(raw)))
+        return _info_from(raw)
+
+    # -- memory
+
+    def _map(self, h):
+        p = ctypes.c_void_p()
+        _check(_n.lib().bb_map(h, ctypes.byref(p)))
+        if not p.value:
+            raise BufbrokerError(0, f"bb_map gave a NULL pointer for buffer {self._id}")
+        return p.value
+
+    def view(self):
+        """A writable ``memoryview`` (format ``"B"``, one byte per item) of
+        a host buffer's shared memory: no copy. Writes are seen by every
+        process that maps the buffer.
+
+        The view keeps the memory mapped, and the buffer referenced, until
+        the view (and everything made from it, e.g. a numpy array) is gone,
+        even if this Buffer is closed first. Raises TypeError for a CUDA
+        buffer (use ``__cuda_array_interface__``)."""
+        if self._kind != _n.KIND_HOST:
+            raise TypeError(
+                f"buffer {self._id} is a {self.kind} buffer: it has no host memory; "
+                "use __cuda_array_interface__"
+            )
+        with self._use() as (h, conn):
+            addr = self._map(h)
+            conn.pin()
+            _n.lib().bb_ref(h)  # the view's own count
+        try:
+            arr = (ctypes.c_ubyte * self._size).from_address(addr)
+            fin = weakref.finalize(arr, _export_gone, conn, h)
+            fin.atexit = False
+        except BaseException:
+            _export_gone(conn, h)
+            raise
+        # ctypes exports format "<B", which memoryview cannot index; a cast
+        # to "B" shares the same export (and so keeps arr alive).
+        return memoryview(arr).cast("B")
+
+    if sys.version_info >= (3, 12):
+
+        def __buffer__(self, flags):
+            """PEP 688 (Python 3.12+): ``memoryview(buf)`` is ``buf.view()``."""
+            return self.view()
+
+    def _device_pointer(self):
+        if self._kind != _n.KIND_CUDA:
+            raise AttributeError(f"buffer {self._id} is a host buffer: use view()")
+        with self._use() as (h, conn):
+            ptr = self._map(h)
+            with self._lock:
+                if not self._exported:
+                    # The libraries that read the interface keep this
+                    # object, not a count: keep the mapping until it goes.
+                    conn.pin()
+                    _n.lib().bb_ref(h)
+                    fin = weakref.finalize(self, _export_gone, conn, h)
+                    fin.atexit = False
+                    self._exported = True
+        return ptr
+
+    @property
+    def __cuda_array_interface__(self):
+        """The CUDA Array Interface, version 3, of a CUDA buffer: a 1-D
+        array of ``size`` unsigned bytes at the device pointer ``bb_map``
+        gives (valid in this process's primary context of the buffer's
+        device). Host buffers have no such attribute."""
+        ptr = self._device_pointer()
+        return {
+            "shape": (self._size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    def cuda_ipc(self):
+        """The CUDA IPC description of a CUDA buffer (``bb_cuda_ipc_of``):
+        a :data:`CudaIpc` ``(handle, offset, size, device_uuid)``, where
+        ``handle`` is the 64-byte cudaIpcMemHandle_t of the allocation
+        holding the buffer and ``offset`` the buffer's start inside it."""
+        raw = _n.bb_cuda_ipc()
+        with self._use() as (h, _):
+            _check(_n.lib().bb_cuda_ipc_of(h, ctypes.byref(raw)))
+        return CudaIpc(bytes(raw.handle), raw.offset, raw.size, bytes(raw.device_uuid))

@@ -1,0 +1,111 @@
+"""CUDA buffers: __cuda_array_interface__ and cuda_ipc(), against the fake
+driver ($BB_FAKECUDA, libfakecuda.so) or, with $BB_REAL_CUDA=1, the real one."""
+
+import gc
+import os
+
+import pytest
+
+import bufbroker
+
+FAKE = os.environ.get("BB_FAKECUDA")
+REAL = os.environ.get("BB_REAL_CUDA") == "1"
+
+pytestmark = pytest.mark.skipif(
+    not (FAKE or REAL), reason="no CUDA driver to test with: $BB_FAKECUDA is not set (and $BB_REAL_CUDA is not 1)"
+)
+
+
+@pytest.fixture
+def cuda_client(start_daemon, monkeypatch):
+    """A client of a daemon that uses the fake (or real) driver; this
+    process loads the same driver on its first CUDA bb_map."""
+    env = {}
+    if FAKE and not REAL:
+        if not os.path.isfile(FAKE):
+            pytest.fail(f"$BB_FAKECUDA names no file: {FAKE}")
+        env["BUFBROKER_CUDA_LIBRARY"] = FAKE
+        monkeypatch.setenv("BUFBROKER_CUDA_LIBRARY", FAKE)
+    d = start_daemon(env)
+    with bufbroker.Client(d.socket) as c:
+        try:
+            c.alloc(256, kind="cuda").close()
+        except bufbroker.Unsupported as e:
+            pytest.skip(f"this bufbrokerd makes no CUDA buffers: {e.message}")
+        yield c
+
+
+def test_cuda_array_interface_describes_the_device_memory(cuda_client):
+    with cuda_client.alloc(1 << 20, kind="cuda", device=0) as buf:
+        assert buf.kind == "cuda" and buf.size == 1 << 20
+        cai = buf.__cuda_array_interface__
+        assert cai["version"] == 3
+        assert cai["shape"] == (1 << 20,)
+        assert cai["typestr"] == "|u1"
+        assert cai["strides"] is None
+        ptr, readonly = cai["data"]
+        assert isinstance(ptr, int) and ptr != 0
+        assert readonly is False
+        assert buf.__cuda_array_interface__["data"][0] == ptr, "one mapping per handle"
+        info = buf.stat()
+        assert (info.kind, info.device, info.size) == ("cuda", 0, 1 << 20)
+
+
+def test_cuda_ipc_describes_the_allocation(cuda_client):
+    with cuda_client.alloc(4096, kind="cuda") as buf:
+        ipc = buf.cuda_ipc()
+        assert isinstance(ipc, bufbroker.CudaIpc)
+        handle, offset, size, uuid = ipc
+        assert len(handle) == bufbroker.IPC_HANDLE_SIZE and any(handle)
+        assert offset % 256 == 0
+        assert size == 4096
+        assert len(uuid) == 16
+
+
+def test_cuda_buffers_have_no_host_view(cuda_client):
+    with cuda_client.alloc(4096, kind="cuda") as buf:
+        with pytest.raises(TypeError):
+            buf.view()
+
+
+def test_exported_cuda_buffer_stays_referenced_until_collected(cuda_client):
+    buf = cuda_client.alloc(4096, kind="cuda")
+    id_ = buf.id
+    buf.__cuda_array_interface__
+    buf.close()
+    assert cuda_client.stat(id_).refs == 1, "an array library may still use the pointer"
+    del buf
+    gc.collect()
+    with pytest.raises(bufbroker.NotFound):
+        cuda_client.stat(id_)
+
+
+@pytest.mark.skipif(not FAKE or REAL, reason="moves bytes through the fake driver's copy functions")
+def test_bytes_written_at_the_interface_pointer_reach_another_process(cuda_client):
+    import multiprocessing
+
+    import bbchild
+
+    drv = bbchild.FakeDriver(FAKE)
+    with cuda_client.alloc(8192, kind="cuda") as buf:
+        ptr = buf.__cuda_array_interface__["data"][0]
+        uuid = buf.cuda_ipc().device_uuid
+        assert drv.pointer_device(ptr) == uuid, "the pointer is in this process's mapping of that device"
+        drv.use_device(uuid)
+        data = bytes(bbchild.pattern(8192, 5))
+        drv.htod(ptr, data)
+        token = buf.ref().take()
+        buf.set_ready()
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=bbchild.cuda_read, args=(cuda_client.socket, token, FAKE, theirs))
+        p.start()
+        theirs.close()
+        try:
+            assert mine.poll(60), "the child sent nothing"
+            state, got = mine.recv()
+        finally:
+            p.join(60)
+        assert p.exitcode == 0
+        assert state == "ready"
+        assert got == data

@@ -1,0 +1,143 @@
+"""Errors: classes by BB_ERR code, code and message carried, the daemon gone,
+library loading, forked children."""
+
+import gc
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+import bufbroker
+from conftest import child_env
+
+CODES = {
+    bufbroker.ERR_INVALID: bufbroker.InvalidArgument,
+    bufbroker.ERR_NOT_FOUND: bufbroker.NotFound,
+    bufbroker.ERR_DENIED: bufbroker.Denied,
+    bufbroker.ERR_NO_MEMORY: bufbroker.NoMemory,
+    bufbroker.ERR_TIMEOUT: bufbroker.Timeout,
+    bufbroker.ERR_DISCONNECTED: bufbroker.Disconnected,
+    bufbroker.ERR_PROTOCOL: bufbroker.ProtocolError,
+    bufbroker.ERR_FAILED: bufbroker.BufferFailed,
+    bufbroker.ERR_UNSUPPORTED: bufbroker.Unsupported,
+    bufbroker.ERR_STATE: bufbroker.StateError,
+    bufbroker.ERR_EXISTS: bufbroker.Exists,
+    bufbroker.ERR_SYSTEM: bufbroker.SystemFailure,
+}
+
+
+def test_every_code_has_its_exception_class():
+    assert sorted(CODES) == list(range(-12, 0))
+    for code, cls in CODES.items():
+        assert bufbroker.error_class(code) is cls
+        assert issubclass(cls, bufbroker.BufbrokerError)
+        e = cls(code, "")
+        assert e.code == code
+        assert e.message == bufbroker.strerror(code), "an empty message falls back to bb_strerror"
+    assert bufbroker.error_class(-99) is bufbroker.BufbrokerError
+
+
+def test_exceptions_survive_pickling():
+    e = pickle.loads(pickle.dumps(bufbroker.NotFound(bufbroker.ERR_NOT_FOUND, "no buffer with id 7")))
+    assert type(e) is bufbroker.NotFound
+    assert (e.code, e.message, str(e)) == (bufbroker.ERR_NOT_FOUND, "no buffer with id 7", "no buffer with id 7")
+
+
+def test_daemon_errors_carry_code_and_message(client):
+    with pytest.raises(bufbroker.NotFound) as ei:
+        client.open(987654321)
+    e = ei.value
+    assert e.code == bufbroker.ERR_NOT_FOUND
+    assert "987654321" in e.message, "the daemon's own sentence"
+    assert str(e) == e.message
+    assert isinstance(e, LookupError)
+
+
+def test_library_errors_carry_code_and_message(client):
+    with pytest.raises(bufbroker.InvalidArgument) as ei:
+        client.alloc(0)
+    assert ei.value.code == bufbroker.ERR_INVALID
+    assert ei.value.message
+    assert isinstance(ei.value, ValueError)
+
+
+def test_python_side_argument_checks_raise_invalid_argument(client):
+    for call in (
+        lambda: client.alloc(-1),
+        lambda: client.alloc(64, kind="gpu"),
+        lambda: client.alloc(64, share="everyone"),
+        lambda: client.alloc(64, name=5),
+        lambda: client.open(-3),
+        lambda: client.retain(1, 2**32),
+    ):
+        with pytest.raises(bufbroker.InvalidArgument) as ei:
+            call()
+        assert ei.value.code == bufbroker.ERR_INVALID and ei.value.message
+
+
+def test_connecting_to_a_missing_socket_fails_with_a_code(tmp_path):
+    with pytest.raises(bufbroker.BufbrokerError) as ei:
+        bufbroker.Client(str(tmp_path / "nothing.sock"))
+    assert ei.value.code in CODES
+    assert ei.value.message
+
+
+def test_calls_after_the_daemon_is_gone_raise_disconnected(start_daemon):
+    d = start_daemon()
+    c = bufbroker.Client(d.socket)
+    buf = c.alloc(64)
+    assert d.stop() == 0
+    with pytest.raises(bufbroker.Disconnected) as ei:
+        c.stat(buf.id)
+    assert ei.value.code == bufbroker.ERR_DISCONNECTED
+    with pytest.raises(bufbroker.Disconnected):
+        buf.wait(1)
+    buf.close()
+    c.close()
+
+
+def test_a_missing_library_is_a_clear_oserror():
+    code = (
+        "import bufbroker\n"
+        "try:\n"
+        "    bufbroker.Client('/nonexistent.sock')\n"
+        "except OSError as e:\n"
+        "    assert 'BUFBROKER_LIBRARY' in str(e) and '/nonexistent/libbb.so' in str(e), e\n"
+        "    print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(BUFBROKER_LIBRARY="/nonexistent/libbb.so"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_forked_child_cannot_use_or_release_its_parents_handles(client):
+    buf = client.alloc(64)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        status = 1
+        try:
+            try:
+                client.stat(buf.id)
+            except RuntimeError:
+                status = 0
+            try:
+                buf.set_ready()
+                status = 1
+            except RuntimeError:
+                pass
+            buf.close()  # must not send the parent's release
+            gc.collect()
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child could use its parent's client"
+    info = client.stat(buf.id)
+    assert info.refs == 1 and info.state == "pending"
+    buf.close()

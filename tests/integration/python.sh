@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# The Python binding (python/bufbroker): its pytest suite, with Debian's
+# /usr/bin/python3, against real daemons it starts itself; then the Python
+# example pair and its pairings with the C examples through one daemon here,
+# which SIGTERM must end with 0.
+#
+# ctest sets BUFBROKERD, BB_PRODUCER, BB_CONSUMER, BB_SOURCE_DIR, BB_BUILD_DIR
+# and BB_FAKECUDA (libfakecuda.so: the CUDA tests use it when set).
+set -euo pipefail
+
+DIR=$(mktemp -d /tmp/bbt-python-XXXXXX)
+SOCK=$DIR/bb.sock
+LOG=$DIR/daemon.log
+DPID=
+STEP="setup"
+
+cleanup() {
+	if [[ -n $DPID ]] && kill -0 "$DPID" 2>/dev/null; then
+		kill -KILL "$DPID" 2>/dev/null || true
+		wait "$DPID" 2>/dev/null || true
+	fi
+	rm -rf "$DIR"
+}
+trap cleanup EXIT
+
+fail() {
+	echo "FAIL ($STEP): $*" >&2
+	if [[ -f $LOG ]]; then
+		echo "---- daemon log (tail) ----" >&2
+		tail -n 40 "$LOG" >&2
+		echo "---- end of daemon log ----" >&2
+	fi
+	exit 1
+}
+trap 'fail "command failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
+
+for v in BUFBROKERD BB_PRODUCER BB_CONSUMER; do
+	[[ -n ${!v:-} && -x ${!v} ]] || fail "\$$v must name an executable (ctest sets it)"
+done
+for v in BB_SOURCE_DIR BB_BUILD_DIR; do
+	[[ -n ${!v:-} && -d ${!v} ]] || fail "\$$v must name a directory (ctest sets it)"
+done
+PY=/usr/bin/python3
+[[ -x $PY ]] || fail "$PY is missing: apt-get install python3 python3-pytest python3-numpy"
+"$PY" -c 'import pytest, numpy' 2>/dev/null ||
+	fail "python3-pytest and python3-numpy are needed: apt-get install python3-pytest python3-numpy (scripts/lib.sh lists them)"
+
+export PYTHONPATH=$BB_SOURCE_DIR/python${PYTHONPATH:+:$PYTHONPATH}
+export BUFBROKER_LIBRARY=$BB_BUILD_DIR/libbufbroker.so.0
+export PYTHONDONTWRITEBYTECODE=1 # keep the source tree clean
+unset BUFBROKER_SOCKET
+[[ -f $BUFBROKER_LIBRARY ]] || fail "no $BUFBROKER_LIBRARY"
+
+# A sanitizer build's library needs its runtime loaded first; Python's own
+# allocations are not ours to leak-check.
+asan=$(ldd "$BUFBROKER_LIBRARY" | awk '/libasan\.so/ { print $3; exit }')
+if [[ -n $asan ]]; then
+	export LD_PRELOAD=$asan${LD_PRELOAD:+:$LD_PRELOAD}
+	export ASAN_OPTIONS=detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}
+fi
+
+STEP="pytest"
+cd "$BB_SOURCE_DIR"
+"$PY" -m pytest -q -p no:cacheprovider -rs python/tests || fail "pytest failed"
+
+# The daemon the example pairs share; it is ASan-checked like the others
+# when it is a sanitizer build, so it must not inherit the preload.
+unset LD_PRELOAD ASAN_OPTIONS
+STEP="start the daemon"
+"$BUFBROKERD" --socket "$SOCK" --token-ttl 120000 >"$LOG" 2>&1 &
+DPID=$!
+for _ in $(seq 500); do
+	[[ -S $SOCK ]] && break
+	kill -0 "$DPID" 2>/dev/null || fail "bufbrokerd exited during start-up"
+	sleep 0.01
+done
+[[ -S $SOCK ]] || fail "no socket at $SOCK after 5 s"
+if [[ -n $asan ]]; then
+	export LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0
+fi
+
+PYPROD=("$PY" "$BB_SOURCE_DIR/examples/python/producer.py")
+PYCONS=("$PY" "$BB_SOURCE_DIR/examples/python/consumer.py")
+
+# pair NAME PRODUCER... -- CONSUMER...: a token and then a name, 64 KiB,
+# pattern 7, through the shared daemon.
+pair() {
+	local name=$1 tok out
+	shift
+	local -a prod=() cons=()
+	while [[ $1 != -- ]]; do prod+=("$1"); shift; done
+	shift
+	cons=("$@")
+	STEP="$name: by token"
+	tok=$(timeout 30 "${prod[@]}" --socket "$SOCK" --name "bbt-$name" --size 65536 --pattern 7) ||
+		fail "the producer exited $?"
+	[[ $tok =~ ^[0-9a-f]{32}$ ]] || fail "the producer printed '$tok', not a token"
+	out=$(timeout 30 "${cons[@]}" --socket "$SOCK" --size 65536 --pattern 7 "$tok") ||
+		fail "the consumer exited $?"
+	grep -q "verified 65536 bytes" <<<"$out" || fail "the consumer did not verify: $out"
+	STEP="$name: by name"
+	tok=$(timeout 30 "${prod[@]}" --socket "$SOCK" --name "bbt-$name-n" --size 8192 --pattern 9)
+	out=$(timeout 30 "${cons[@]}" --socket "$SOCK" --size 8192 --pattern 9 --name "bbt-$name-n") ||
+		fail "the consumer --name exited $?"
+	grep -q "verified 8192 bytes" <<<"$out" || fail "the consumer --name did not verify: $out"
+	out=$(timeout 30 "${cons[@]}" --socket "$SOCK" --pattern 9 "$tok") || fail "adopting the by-name token exited $?"
+	STEP="$name: wrong pattern"
+	tok=$(timeout 30 "${prod[@]}" --socket "$SOCK" --name "bbt-$name-w" --size 4096 --pattern 3)
+	rc=0
+	timeout 30 "${cons[@]}" --socket "$SOCK" --pattern 4 "$tok" >/dev/null 2>"$DIR/err" || rc=$?
+	[[ $rc -eq 1 ]] || fail "the consumer exited $rc for a wrong pattern, want 1"
+	grep -qi "mismatch" "$DIR/err" || fail "no mismatch reported: $(cat "$DIR/err")"
+}
+
+pair py-py "${PYPROD[@]}" -- "${PYCONS[@]}"
+pair c-py "$BB_PRODUCER" -- "${PYCONS[@]}"
+pair py-c "${PYPROD[@]}" -- "$BB_CONSUMER"
+
+STEP="nothing left behind"
+# Every token was adopted and every consumer is gone: no buffers remain.
+"$PY" - "$SOCK" <<'PYEOF' || fail "buffers were left behind"
+import sys, bufbroker
+with bufbroker.Client(sys.argv[1]) as c:
+    for id_ in range(1, 64):
+        try:
+            info = c.stat(id_)
+        except bufbroker.NotFound:
+            continue
+        sys.exit(f"buffer {id_} is still alive: {info}")
+PYEOF
+
+STEP="SIGTERM"
+unset LD_PRELOAD ASAN_OPTIONS
+kill -TERM "$DPID"
+for _ in $(seq 1000); do
+	kill -0 "$DPID" 2>/dev/null || break
+	sleep 0.01
+done
+kill -0 "$DPID" 2>/dev/null && fail "bufbrokerd still runs 10 s after SIGTERM"
+rc=0
+wait "$DPID" || rc=$?
+DPID=
+[[ $rc -eq 0 ]] || fail "bufbrokerd exited $rc after SIGTERM, want 0"
+grep -Eq "Sanitizer|runtime error:" "$LOG" && fail "the daemon's log has a sanitizer report"
+echo "python.sh: all checks passed"
