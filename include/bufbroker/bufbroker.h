@@ -111,7 +111,11 @@ void bb_unref(bb_buf *b);
 
 /* Surrender one local count into a token that any process may adopt once.
  * With other local counts left the token holds a new daemon reference; on
- * the last count the connection's reference moves into it (net zero). */
+ * the last count the connection's reference moves into it (net zero). A
+ * mapped CUDA buffer's last count is the exception: the token gets its own
+ * reference, this process closes its mapping, and only then releases its
+ * reference, so the adopter can never free memory this process still has
+ * open (refs is one higher for that moment only). */
 int bb_take(bb_buf *b, bb_token *out);
 /* Receive the reference a token holds (coalesced like bb_open). */
 int bb_adopt(bb_client *c, const bb_token *t, bb_buf **out);
