@@ -54,6 +54,7 @@ typedef struct backend_device {
 	unsigned long long used;     /* bytes in live buffers of the broker */
 	unsigned long long reserved; /* bytes the broker holds from the driver (slabs) */
 	unsigned long long limit;    /* the most the broker may hold on it */
+	unsigned long long refused;  /* allocs refused because limit left no room */
 } backend_device;
 
 struct backend {
@@ -79,6 +80,10 @@ struct backend {
 	void (*destroy)(backend *be);
 	/* Devices served, up to max into out; returns how many. May be NULL. */
 	int (*devices)(backend *be, backend_device *out, int max);
+	/* The live memories (alloc and import_fd not yet freed) and their
+	 * sizes as asked for, from the backend's own books: the invariant
+	 * check compares them with the broker's totals. May be NULL. */
+	void (*usage)(backend *be, uint64_t *buffers, uint64_t *bytes);
 	/* Set by the server: run job off the loop thread. NULL: the backend
 	 * runs work and done inline (unit tests). */
 	void (*submit)(backend *be, backend_job *job);

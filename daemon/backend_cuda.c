@@ -80,7 +80,7 @@ struct pool {
 	int fail_code;       /* a grow failed: answer the next alloc with this */
 	bool fail_dedicated; /* ... if it asks for the same kind of allocation */
 	uint64_t fail_size;  /* ... of this size (dedicated) */
-	char fail_msg[200];  /* the driver's error */
+	char fail_msg[256];  /* the driver's error */
 	UT_hash_handle hh;   /* cuda_backend.pools */
 };
 
@@ -97,6 +97,7 @@ struct cuda_dev {
 	uint64_t freeing;       /* ... */
 	uint64_t cached;        /* ... */
 	uint64_t used;          /* ... */
+	uint64_t refused;       /* allocs refused at the limit, for metrics */
 	slab *cache;            /* empty slabs, oldest first */
 };
 
@@ -347,7 +348,7 @@ static void grow_done(backend_job *job)
 	cuda_backend *cu = g->cu;
 	pool *p = g->pool;
 	cuda_dev *d = p->dev;
-	char eb[160], h[32];
+	char eb[96], h[32];
 
 	DL_DELETE(p->growing, g);
 	d->reserved -= g->size;
@@ -444,6 +445,7 @@ static int grow(cuda_backend *cu, pool *p, uint64_t len, bool dedicated, char *e
 		want = fit > len ? fit : len;
 	}
 	if (want > room + spare) {
+		d->refused++;
 		snprintf(
 			err, errlen,
 			"device %d would hold %s (%s for this buffer on top of %s); the limit is %s "
@@ -685,9 +687,26 @@ static int cuda_devices(backend *be, backend_device *out, int max)
 		o->used = d->used;
 		o->reserved = d->reserved;
 		o->limit = d->limit;
+		o->refused = d->refused;
 	}
 	cu->api.CtxSetCurrent(prev);
 	return n;
+}
+
+static void cuda_usage(backend *be, uint64_t *buffers, uint64_t *bytes)
+{
+	cuda_backend *cu = be->ctx;
+	uint64_t n = 0, sz = 0;
+	pool *p, *ptmp;
+	HASH_ITER (hh, cu->pools, p, ptmp) {
+		const slab *s;
+		DL_FOREACH (p->slabs, s)
+			n += s->live;
+	}
+	for (int i = 0; i < cu->ndev; i++)
+		sz += cu->devs[i].used;
+	*buffers = n;
+	*bytes = sz;
 }
 
 static void cuda_destroy(backend *be)
@@ -842,6 +861,7 @@ backend *backend_cuda_new(const backend_cuda_config *cfg, char *why, size_t whyl
 	cu->be.export_mem = cuda_export;
 	cu->be.destroy = cuda_destroy;
 	cu->be.devices = cuda_devices;
+	cu->be.usage = cuda_usage;
 	return &cu->be;
 
 err_devices:

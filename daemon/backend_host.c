@@ -21,6 +21,26 @@
 #define F_SEAL_FUTURE_WRITE 0x0010
 #endif
 
+/* The backend's own books, for the invariant check. */
+typedef struct host_backend {
+	backend be;          /* be.ctx points here */
+	uint64_t live;       /* memfds handed to the broker and not yet freed */
+	uint64_t live_bytes; /* their sizes as asked for */
+} host_backend;
+
+/* One memory more (delta 1) or fewer (delta -1). */
+static void host_count(backend *be, int delta, uint64_t size)
+{
+	host_backend *hb = be->ctx;
+	if (delta > 0) {
+		hb->live++;
+		hb->live_bytes += size;
+	} else {
+		hb->live--;
+		hb->live_bytes -= size;
+	}
+}
+
 static int sys_fail(char *err, size_t errlen, const char *what)
 {
 	int e = errno;
@@ -32,7 +52,6 @@ static int sys_fail(char *err, size_t errlen, const char *what)
 static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
 		      backend_mem *out, char *err, size_t errlen)
 {
-	(void)be;
 	(void)device;
 	(void)uid;
 	(void)share;
@@ -52,13 +71,13 @@ static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int 
 	out->fd = fd;
 	out->size = size;
 	out->priv = NULL;
+	host_count(be, 1, size);
 	return 0;
 }
 
 static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, char *err,
 		       size_t errlen)
 {
-	(void)be;
 	struct stat st;
 	int seals = fcntl(fd, F_GET_SEALS);
 	if (seals < 0) {
@@ -113,14 +132,16 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 	out->fd = mine;
 	out->size = size;
 	out->priv = NULL;
+	host_count(be, 1, size);
 	return 0;
 }
 
 static void host_free(backend *be, backend_mem *mem)
 {
-	(void)be;
-	if (mem->fd >= 0)
+	if (mem->fd >= 0) {
 		close(mem->fd);
+		host_count(be, -1, mem->size);
+	}
 	mem->fd = -1;
 }
 
@@ -134,21 +155,31 @@ static int host_export(backend *be, const backend_mem *mem, backend_export *out,
 	return 0;
 }
 
+static void host_usage(backend *be, uint64_t *buffers, uint64_t *bytes)
+{
+	const host_backend *hb = be->ctx;
+	*buffers = hb->live;
+	*bytes = hb->live_bytes;
+}
+
 static void host_destroy(backend *be)
 {
-	free(be);
+	free(be->ctx);
 }
 
 backend *backend_host_new(void)
 {
-	backend *be = calloc(1, sizeof(*be));
-	if (!be)
+	host_backend *hb = calloc(1, sizeof(*hb));
+	if (!hb)
 		return NULL;
+	backend *be = &hb->be;
+	be->ctx = hb;
 	be->name = "host";
 	be->alloc = host_alloc;
 	be->import_fd = host_import;
 	be->free = host_free;
 	be->export_mem = host_export;
 	be->destroy = host_destroy;
+	be->usage = host_usage;
 	return be;
 }

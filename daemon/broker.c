@@ -76,6 +76,7 @@ struct broker_conn {
 	uint32_t ntokens;          /* length of tokens */
 	broker_waiter *waiters;    /* its parked waits */
 	uint32_t nwaits;           /* length of waiters */
+	uint64_t opened_ms;        /* when it opened, for its age */
 	broker_conn *prev, *next;  /* broker.conns */
 };
 
@@ -96,6 +97,7 @@ struct broker {
 	uint64_t nwaits;                  /* parked waits */
 	uint64_t buffers[BROKER_KINDS];   /* live buffers per kind */
 	uint64_t bytes[BROKER_KINDS];     /* their bytes */
+	uint64_t refused[BROKER_LIMIT_COUNT]; /* requests each limit refused */
 };
 
 static int fail(broker_error *err, int code, const char *fmt, ...)
@@ -241,14 +243,14 @@ static uid_usage *usage_of(broker *b, uint32_t uid, bool create)
 
 static broker_buf *find_buf(broker *b, uint64_t id)
 {
-	broker_buf *buf;
+	broker_buf *buf = NULL;
 	HASH_FIND(hh, b->by_id, &id, sizeof(id), buf);
 	return buf;
 }
 
 static broker_buf *find_name(broker *b, const char *name)
 {
-	broker_buf *buf;
+	broker_buf *buf = NULL;
 	HASH_FIND(hh_name, b->by_name, name, strlen(name), buf);
 	return buf;
 }
@@ -424,15 +426,19 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	uid_usage *u = usage_of(b, conn->uid, false);
 	uint64_t have_buffers = u ? u->buffers : 0;
 	uint64_t have_bytes = u ? u->bytes[req->kind] : 0;
-	if (have_buffers + 1 > b->limits.uid_buffers)
+	if (have_buffers + 1 > b->limits.uid_buffers) {
+		b->refused[BROKER_LIMIT_UID_BUFFERS]++;
 		return fail(err, BB_ERR_NO_MEMORY,
 			    "uid %u would own %" PRIu64 " buffers; the limit is %" PRIu64, conn->uid,
 			    have_buffers + 1, b->limits.uid_buffers);
+	}
 	if (req->size > b->limits.uid_bytes[req->kind] ||
-	    have_bytes > b->limits.uid_bytes[req->kind] - req->size)
+	    have_bytes > b->limits.uid_bytes[req->kind] - req->size) {
+		b->refused[BROKER_LIMIT_UID_BYTES]++;
 		return fail(err, BB_ERR_NO_MEMORY, "uid %u would hold %s of %s buffers; the limit is %s",
 			    conn->uid, human(have_bytes + req->size, h1), kind_name(req->kind),
 			    human(b->limits.uid_bytes[req->kind], h2));
+	}
 
 	broker_buf *buf = calloc(1, sizeof(*buf));
 	if (!buf)
@@ -498,7 +504,7 @@ err_buf:
 
 int broker_open_id(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, broker_error *err)
 {
-	broker_buf *buf;
+	broker_buf *buf = NULL;
 	int rc = reach(b, conn, id, &buf, err);
 	if (rc)
 		return rc;
@@ -526,7 +532,7 @@ int broker_open_name(broker *b, broker_conn *conn, const char *name, broker_buf 
 int broker_retain(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
 		  uint32_t *held_out, broker_error *err)
 {
-	broker_buf *buf;
+	broker_buf *buf = NULL;
 	int rc;
 	if (count == 0)
 		return fail(err, BB_ERR_INVALID, "retain count must be at least 1");
@@ -593,10 +599,12 @@ int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 	if (!h)
 		return fail(err, BB_ERR_NOT_FOUND,
 			    "this connection holds no buffer with id %" PRIu64, id);
-	if (conn->ntokens >= b->limits.conn_tokens)
+	if (conn->ntokens >= b->limits.conn_tokens) {
+		b->refused[BROKER_LIMIT_CONN_TOKENS]++;
 		return fail(err, BB_ERR_NO_MEMORY,
 			    "the connection would have %u live tokens; the limit is %u",
 			    conn->ntokens + 1, b->limits.conn_tokens);
+	}
 	token *t = calloc(1, sizeof(*t));
 	if (!t)
 		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
@@ -683,7 +691,7 @@ static int settle_check(broker *b, broker_conn *conn, uint64_t id, broker_buf **
 
 int broker_set_ready(broker *b, broker_conn *conn, uint64_t id, broker_error *err)
 {
-	broker_buf *buf;
+	broker_buf *buf = NULL;
 	int rc = settle_check(b, conn, id, &buf, err);
 	if (rc)
 		return rc;
@@ -694,7 +702,7 @@ int broker_set_ready(broker *b, broker_conn *conn, uint64_t id, broker_error *er
 int broker_set_error(broker *b, broker_conn *conn, uint64_t id, const char *message,
 		     broker_error *err)
 {
-	broker_buf *buf;
+	broker_buf *buf = NULL;
 	int rc = settle_check(b, conn, id, &buf, err);
 	if (rc)
 		return rc;
@@ -705,7 +713,7 @@ int broker_set_error(broker *b, broker_conn *conn, uint64_t id, const char *mess
 int broker_wait(broker *b, broker_conn *conn, uint64_t id, broker_waiter *w, bb_state *state_out,
 		char *error_out, broker_error *err)
 {
-	broker_buf *buf;
+	broker_buf *buf = NULL;
 	int rc = reach(b, conn, id, &buf, err);
 	if (rc)
 		return rc;
@@ -714,10 +722,12 @@ int broker_wait(broker *b, broker_conn *conn, uint64_t id, broker_waiter *w, bb_
 		snprintf(error_out, 256, "%s", buf->error);
 		return 1;
 	}
-	if (conn->nwaits >= b->limits.conn_waits)
+	if (conn->nwaits >= b->limits.conn_waits) {
+		b->refused[BROKER_LIMIT_CONN_WAITS]++;
 		return fail(err, BB_ERR_NO_MEMORY,
 			    "the connection would have %u parked waits; the limit is %u",
 			    conn->nwaits + 1, b->limits.conn_waits);
+	}
 	w->conn = conn;
 	w->buf = buf;
 	DL_APPEND(buf->waiters, w);
@@ -744,6 +754,7 @@ broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pi
 			      broker_error *err)
 {
 	if (b->nconns >= b->limits.connections) {
+		b->refused[BROKER_LIMIT_CONNECTIONS]++;
 		fail(err, BB_ERR_NO_MEMORY, "%u connections are open; the limit is %u", b->nconns,
 		     b->limits.connections);
 		return NULL;
@@ -756,6 +767,7 @@ broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pi
 	conn->uid = uid;
 	conn->gid = gid;
 	conn->pid = pid;
+	conn->opened_ms = now(b);
 	DL_APPEND(b->conns, conn);
 	b->nconns++;
 	return conn;
@@ -813,6 +825,15 @@ void broker_conn_holdings(const broker_conn *conn, uint64_t *buffers, uint64_t *
 	*bytes = sz;
 }
 
+void broker_conn_stats_get(broker *b, const broker_conn *conn, broker_conn_stats *out)
+{
+	uint64_t t = now(b);
+	broker_conn_holdings(conn, &out->buffers, &out->bytes);
+	out->tokens = conn->ntokens;
+	out->waits = conn->nwaits;
+	out->age_ms = t > conn->opened_ms ? t - conn->opened_ms : 0;
+}
+
 /* ---- reporting -------------------------------------------------------------- */
 
 void broker_buf_info(broker *b, const broker_buf *buf, const broker_conn *conn, broker_info *out)
@@ -851,7 +872,7 @@ int broker_buf_export(broker *b, const broker_buf *buf, backend_export *out, bro
 
 int broker_stat_id(broker *b, broker_conn *conn, uint64_t id, broker_info *out, broker_error *err)
 {
-	broker_buf *buf;
+	broker_buf *buf = NULL;
 	int rc = reach(b, conn, id, &buf, err);
 	if (rc)
 		return rc;
@@ -893,6 +914,27 @@ void broker_totals_get(broker *b, broker_totals *out)
 	out->connections = b->nconns;
 	out->tokens = b->ntokens;
 	out->waits = b->nwaits;
+	memcpy(out->refused, b->refused, sizeof(out->refused));
+}
+
+const char *broker_limit_name(broker_limit limit)
+{
+	static const char *names[BROKER_LIMIT_COUNT] = {
+		[BROKER_LIMIT_CONNECTIONS] = "connections", [BROKER_LIMIT_UID_BUFFERS] = "uid_buffers",
+		[BROKER_LIMIT_UID_BYTES] = "uid_bytes",     [BROKER_LIMIT_CONN_TOKENS] = "conn_tokens",
+		[BROKER_LIMIT_CONN_WAITS] = "conn_waits",
+	};
+	return (unsigned)limit < BROKER_LIMIT_COUNT ? names[limit] : NULL;
+}
+
+void broker_uid_usage(broker *b,
+		      void (*fn)(uint32_t uid, uint64_t buffers, const uint64_t bytes[BROKER_KINDS],
+				 void *arg),
+		      void *arg)
+{
+	/* destroy drops a uid's entry with its last buffer: every one owns some. */
+	for (const uid_usage *u = b->uids; u; u = u->hh.next)
+		fn(u->uid, u->buffers, u->bytes, arg);
 }
 
 /* Append one problem line to the report being built. */

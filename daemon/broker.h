@@ -83,12 +83,24 @@ typedef struct broker_info {
 	uint64_t age_ms;
 } broker_info;
 
+/* The broker's limits that refuse requests, for counting refusals. Named
+ * (broker_limit_name) as the broker_limits fields are. */
+typedef enum broker_limit {
+	BROKER_LIMIT_CONNECTIONS, /* broker_conn_open */
+	BROKER_LIMIT_UID_BUFFERS, /* broker_alloc */
+	BROKER_LIMIT_UID_BYTES,   /* broker_alloc */
+	BROKER_LIMIT_CONN_TOKENS, /* broker_take */
+	BROKER_LIMIT_CONN_WAITS,  /* broker_wait */
+	BROKER_LIMIT_COUNT
+} broker_limit;
+
 typedef struct broker_totals {
 	uint64_t buffers[BROKER_KINDS];
 	uint64_t bytes[BROKER_KINDS];
 	uint32_t connections;
 	uint64_t tokens;
 	uint64_t waits;
+	uint64_t refused[BROKER_LIMIT_COUNT]; /* requests each limit refused since broker_new */
 } broker_totals;
 
 /* What Alloc and ImportFd ask for. */
@@ -145,6 +157,16 @@ uint32_t broker_conn_pid(const broker_conn *conn);
 /* Buffers and bytes the connection holds at least one count on. */
 void broker_conn_holdings(const broker_conn *conn, uint64_t *buffers, uint64_t *bytes);
 
+/* What the admin Clients request reports of one connection. */
+typedef struct broker_conn_stats {
+	uint64_t buffers; /* buffers it holds at least one count on */
+	uint64_t bytes;   /* their total size */
+	uint32_t tokens;  /* live tokens it made (not yet adopted or expired) */
+	uint32_t waits;   /* its parked waits */
+	uint64_t age_ms;  /* since broker_conn_open, on the broker's clock */
+} broker_conn_stats;
+void broker_conn_stats_get(broker *b, const broker_conn *conn, broker_conn_stats *out);
+
 /* A new buffer; conn gets one count. *out is valid until the next broker
  * call. BACKEND_GROW (positive) when the backend must first do slow work it
  * has submitted: nothing changed, retry once a backend job is done. */
@@ -186,6 +208,15 @@ int broker_stat_name(broker *b, broker_conn *conn, const char *name, broker_info
 void broker_list(broker *b, broker_conn *conn, int (*fn)(const broker_info *info, void *arg),
 		 void *arg);
 void broker_totals_get(broker *b, broker_totals *out);
+/* "connections", "uid_buffers", ...; NULL for a value out of range. */
+const char *broker_limit_name(broker_limit limit);
+/* Calls fn for each uid that owns live buffers (in no particular order)
+ * with how many it owns and their bytes per kind (index by bb_kind). fn
+ * must not call back into the broker. */
+void broker_uid_usage(broker *b,
+		      void (*fn)(uint32_t uid, uint64_t buffers, const uint64_t bytes[BROKER_KINDS],
+				 void *arg),
+		      void *arg);
 
 /* Verify the broker's invariants: for every buffer, refs = sum of
  * connection counts + live tokens, and its token count matches the live

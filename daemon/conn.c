@@ -41,6 +41,7 @@ static void enqueue(conn *c, const unsigned char *data, size_t len, int fd)
 		log_warn("event=output_overflow conn=%llu uid=%u pid=%u queued=%llu limit=%llu",
 			 (unsigned long long)c->serial, c->uid, c->pid,
 			 (unsigned long long)c->out_bytes, (unsigned long long)c->srv->cfg.queue_bytes);
+		metrics_refused(&c->srv->counters, METRICS_LIMIT_QUEUE_BYTES);
 		conn_doom(c, "client stopped reading its responses");
 		return;
 	}
@@ -150,8 +151,10 @@ static void update_poll(conn *c)
 
 static void protocol_error(conn *c, uint64_t id, const char *msg, bool close_after)
 {
+	char esc[256];
 	log_warn("event=protocol_error conn=%llu uid=%u pid=%u error=\"%s\"%s",
-		 (unsigned long long)c->serial, c->uid, c->pid, msg, close_after ? " action=close" : "");
+		 (unsigned long long)c->serial, c->uid, c->pid, log_escape(msg, esc, sizeof(esc)),
+		 close_after ? " action=close" : "");
 	conn_send_status(c, id, BB_ERR_PROTOCOL, msg);
 	if (close_after)
 		conn_doom(c, msg);
@@ -196,7 +199,10 @@ static void read_one(conn *c, int events)
 		protocol_error(c, 0, msg, true);
 		return;
 	}
+	int op = (int)req->op_case;
+	uint64_t t0 = uv_hrtime();
 	handler_request(c, req, fd);
+	metrics_handled(&s->counters, op, uv_hrtime() - t0);
 	bufbroker__request__free_unpacked(req, NULL);
 }
 

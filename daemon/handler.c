@@ -20,6 +20,7 @@ typedef struct req_ctx {
 	uint64_t id;     /* Request.id */
 	bool quiet;      /* Request.no_reply */
 	const char *op;  /* op name, for logs */
+	int opc;         /* Request.op_case, for metrics */
 } req_ctx;
 
 static const char *code_name(int code)
@@ -42,12 +43,21 @@ static const char *code_name(int code)
 	}
 }
 
+const char *handler_status_name(int code)
+{
+	return code_name(code);
+}
+
 static void reply_error(req_ctx *r, int code, const char *msg)
 {
 	conn *c = r->c;
-	if (code != BB_ERR_TIMEOUT)
+	metrics_answered(&c->srv->counters, r->opc, code);
+	if (code != BB_ERR_TIMEOUT && log_enabled(LOG_INFO)) {
+		char esc[512];
 		log_info("event=request_failed conn=%llu uid=%u pid=%u op=%s code=%s error=\"%s\"",
-			 (unsigned long long)c->serial, c->uid, c->pid, r->op, code_name(code), msg);
+			 (unsigned long long)c->serial, c->uid, c->pid, r->op, code_name(code),
+			 log_escape(msg, esc, sizeof(esc)));
+	}
 	if (!r->quiet)
 		conn_send_status(c, r->id, code, msg);
 }
@@ -55,6 +65,7 @@ static void reply_error(req_ctx *r, int code, const char *msg)
 static void reply(req_ctx *r, Bufbroker__Response *resp, int fd)
 {
 	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
+	metrics_answered(&r->c->srv->counters, r->opc, BB_OK);
 	if (r->quiet)
 		return;
 	st.message = "";
@@ -224,6 +235,7 @@ static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 	 * backend job is done. Later requests on this connection are answered
 	 * meanwhile, as with Wait. */
 	if (c->parked_allocs >= PARKED_ALLOCS_MAX) {
+		metrics_refused(&c->srv->counters, METRICS_LIMIT_PARKED_ALLOCS);
 		reply_error(r, BB_ERR_NO_MEMORY,
 			    "too many allocations on this connection are waiting for device memory");
 		return;
@@ -258,10 +270,15 @@ void handler_retry_allocs(server *s)
 	DL_FOREACH_SAFE(list, pa, tmp)
 	{
 		DL_DELETE(list, pa);
-		req_ctx r = {.c = pa->c, .id = pa->req_id, .quiet = pa->quiet, .op = "alloc"};
-		if (pa->c->doomed || pa->c->closed ||
-		    alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, -1) !=
-			    BACKEND_GROW) {
+		req_ctx r = {.c = pa->c, .id = pa->req_id, .quiet = pa->quiet, .op = "alloc",
+			     .opc = BUFBROKER__REQUEST__OP_ALLOC};
+		if (pa->c->doomed || pa->c->closed) {
+			metrics_answered(&s->counters, r.opc, BB_ERR_DISCONNECTED);
+			parked_alloc_free(pa);
+			continue;
+		}
+		int rc = alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, -1);
+		if (rc != BACKEND_GROW) {
 			parked_alloc_free(pa);
 			continue;
 		}
@@ -370,7 +387,15 @@ static void wait_reply(conn *c, uint64_t req_id, bb_state state, const char *err
 	resp.status = &st;
 	resp.result_case = BUFBROKER__RESPONSE__RESULT_WAIT;
 	resp.wait = &wr;
+	metrics_answered(&c->srv->counters, BUFBROKER__REQUEST__OP_WAIT, BB_OK);
 	conn_send(c, &resp, -1);
+}
+
+/* Answer a Wait with just a status. */
+static void wait_status(conn *c, uint64_t req_id, int code, const char *msg)
+{
+	metrics_answered(&c->srv->counters, BUFBROKER__REQUEST__OP_WAIT, code);
+	conn_send_status(c, req_id, code, msg);
 }
 
 static void wait_free_cb(uv_handle_t *h)
@@ -396,7 +421,7 @@ static void on_wake(broker_waiter *w, int code, bb_state state, const char *erro
 	if (code == 0)
 		wait_reply(pw->c, pw->req_id, state, error);
 	else
-		conn_send_status(pw->c, pw->req_id, code, "the buffer was freed while waiting");
+		wait_status(pw->c, pw->req_id, code, "the buffer was freed while waiting");
 	wait_dispose(pw);
 }
 
@@ -405,7 +430,7 @@ static void on_wait_timeout(uv_timer_t *t)
 	parked_wait *pw = t->data;
 	server *s = pw->c->srv;
 	broker_wait_cancel(s->b, &pw->w);
-	conn_send_status(pw->c, pw->req_id, BB_ERR_TIMEOUT, "the buffer is still pending");
+	wait_status(pw->c, pw->req_id, BB_ERR_TIMEOUT, "the buffer is still pending");
 	wait_dispose(pw);
 }
 
@@ -442,7 +467,7 @@ static void do_wait(req_ctx *r, const Bufbroker__Wait *wq)
 	if (wq->timeout_ms == 0) {
 		broker_wait_cancel(s->b, &pw->w);
 		free(pw);
-		conn_send_status(c, r->id, BB_ERR_TIMEOUT, "the buffer is still pending");
+		wait_status(c, r->id, BB_ERR_TIMEOUT, "the buffer is still pending");
 		return;
 	}
 	DL_APPEND(c->waits, pw);
@@ -459,6 +484,7 @@ void handler_drop_waits(conn *c)
 	while (c->waits) {
 		parked_wait *pw = c->waits;
 		broker_wait_cancel(c->srv->b, &pw->w);
+		metrics_answered(&c->srv->counters, BUFBROKER__REQUEST__OP_WAIT, BB_ERR_DISCONNECTED);
 		wait_dispose(pw);
 	}
 	parked_alloc *pa, *tmp;
@@ -467,6 +493,7 @@ void handler_drop_waits(conn *c)
 		if (pa->c != c)
 			continue;
 		DL_DELETE(c->srv->allocs, pa);
+		metrics_answered(&c->srv->counters, BUFBROKER__REQUEST__OP_ALLOC, BB_ERR_DISCONNECTED);
 		parked_alloc_free(pa);
 	}
 }
@@ -620,6 +647,225 @@ static void do_server_status(req_ctx *r)
 	reply(r, &resp, -1);
 }
 
+/* ---- admin --------------------------------------------------------------------- */
+
+/* The name of process pid as /proc/PID/comm gives it, or "-" when it cannot
+ * be read (the process is gone, or lives in a PID namespace we cannot see).
+ * Control characters become '?', as in log lines. */
+static void proc_comm(uint32_t pid, char *out, size_t cap)
+{
+	char path[48];
+	snprintf(path, sizeof(path), "/proc/%u/comm", pid);
+	FILE *f = pid ? fopen(path, "re") : NULL;
+	if (!f || !fgets(out, (int)cap, f) || !out[0] || out[0] == '\n')
+		snprintf(out, cap, "-");
+	if (f)
+		fclose(f);
+	out[strcspn(out, "\n")] = '\0';
+	for (char *p = out; *p; p++)
+		if ((unsigned char)*p < 0x20 || *p == 0x7f)
+			*p = '?';
+}
+
+/* One Clients row and the text it points to. */
+typedef struct client_row {
+	Bufbroker__ClientInfo ci; /* points into process and the conn's name */
+	char process[32];         /* /proc/PID/comm (16 bytes at most on Linux) */
+} client_row;
+
+static void do_clients(req_ctx *r, const Bufbroker__Clients *q)
+{
+	conn *me = r->c;
+	server *s = me->srv;
+	/* Root sees every connection; others, their own uid's. */
+	bool all = me->uid == 0;
+	size_t n = 0, budget = s->cfg.max_datagram - 64;
+	bool truncated = false;
+	conn *c;
+
+	DL_FOREACH (s->conns, c)
+		n++;
+	client_row *rows = calloc(n ? n : 1, sizeof(*rows));
+	Bufbroker__ClientInfo **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
+	if (!rows || !ptrs) {
+		free(rows);
+		free(ptrs);
+		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
+		return;
+	}
+	n = 0;
+	/* The list is in connection-number order: conns are appended. */
+	DL_FOREACH (s->conns, c) {
+		if (!c->bc || c->doomed || c->serial <= q->after_serial ||
+		    (!all && c->uid != me->uid))
+			continue;
+		client_row *row = &rows[n];
+		broker_conn_stats st;
+		broker_conn_stats_get(s->b, c->bc, &st);
+		proc_comm(c->pid, row->process, sizeof(row->process));
+		bufbroker__client_info__init(&row->ci);
+		row->ci.serial = c->serial;
+		row->ci.uid = c->uid;
+		row->ci.gid = c->gid;
+		row->ci.pid = c->pid;
+		row->ci.process = row->process;
+		row->ci.client_name = c->name;
+		row->ci.buffers = st.buffers;
+		row->ci.bytes = st.bytes;
+		row->ci.tokens = st.tokens;
+		row->ci.waits = st.waits;
+		row->ci.age_ms = st.age_ms;
+		row->ci.self = c == me;
+		/* Row size plus its tag and length prefix. */
+		size_t need = bufbroker__client_info__get_packed_size(&row->ci) + 4;
+		if (need > budget) {
+			truncated = true;
+			break;
+		}
+		budget -= need;
+		ptrs[n] = &row->ci;
+		n++;
+	}
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__ClientsReply cr = BUFBROKER__CLIENTS_REPLY__INIT;
+	cr.n_clients = n;
+	cr.clients = ptrs;
+	cr.truncated = truncated;
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_CLIENTS;
+	resp.clients = &cr;
+	reply(r, &resp, -1);
+	free(rows);
+	free(ptrs);
+}
+
+/* Bytes of report the broker's check may write; later problems are only
+ * counted. */
+#define CHECK_REPORT_MAX (16 * 1024)
+
+/* Append line and a newline to report (cap bytes, NUL-terminated) as far
+ * as it fits. */
+static void report_line(char *report, size_t cap, const char *line)
+{
+	size_t used = strlen(report);
+	if (used + 1 < cap)
+		snprintf(report + used, cap - used, "%s\n", line);
+}
+
+/* Checks the broker cannot make itself: its totals against what each
+ * backend holds, and its connection and wait counts against the server's.
+ * Appends a line per problem to report (cap bytes); returns how many. */
+static int check_edges(server *s, char *report, size_t cap)
+{
+	broker_totals t;
+	int problems = 0;
+	char line[256];
+
+	broker_totals_get(s->b, &t);
+	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+		backend *be = k == BB_HOST ? s->host : s->cuda;
+		const char *kind = k == BB_HOST ? "host" : "cuda";
+		uint64_t n = 0, bytes = 0;
+		if (!be && (t.buffers[k] || t.bytes[k])) {
+			snprintf(line, sizeof(line),
+				 "the broker counts %" PRIu64 " %s buffers (%" PRIu64
+				 " bytes) but no %s backend serves them",
+				 t.buffers[k], kind, t.bytes[k], kind);
+		} else if (be && be->usage) {
+			be->usage(be, &n, &bytes);
+			if (n == t.buffers[k] && bytes == t.bytes[k])
+				continue;
+			snprintf(line, sizeof(line),
+				 "the %s backend holds %" PRIu64 " buffers of %" PRIu64
+				 " bytes; the broker counts %" PRIu64 " of %" PRIu64,
+				 kind, n, bytes, t.buffers[k], t.bytes[k]);
+		} else {
+			continue;
+		}
+		problems++;
+		report_line(report, cap, line);
+	}
+	uint64_t conns = 0, waits = 0;
+	conn *c;
+	parked_wait *pw;
+	DL_FOREACH (s->conns, c) {
+		if (!c->bc)
+			continue;
+		conns++;
+		DL_FOREACH (c->waits, pw)
+			waits++;
+	}
+	if (conns != t.connections || waits != t.waits) {
+		snprintf(line, sizeof(line),
+			 "the server has %" PRIu64 " connections with %" PRIu64
+			 " parked waits; the broker counts %u with %" PRIu64,
+			 conns, waits, t.connections, t.waits);
+		problems++;
+		report_line(report, cap, line);
+	}
+	return problems;
+}
+
+static void do_check(req_ctx *r)
+{
+	conn *me = r->c;
+	server *s = me->srv;
+	uint32_t daemon_uid = (uint32_t)geteuid();
+	char msg[128];
+
+	if (me->uid != 0 && me->uid != daemon_uid) {
+		snprintf(msg, sizeof(msg), "Check is allowed to root and to uid %u (the daemon's)",
+			 daemon_uid);
+		reply_error(r, BB_ERR_DENIED, msg);
+		return;
+	}
+	char *report = malloc(CHECK_REPORT_MAX);
+	char **lines = calloc(CHECK_REPORT_MAX / 2, sizeof(*lines));
+	if (!report || !lines) {
+		free(report);
+		free(lines);
+		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
+		return;
+	}
+	int problems = broker_check(s->b, report, CHECK_REPORT_MAX);
+	problems += check_edges(s, report, CHECK_REPORT_MAX);
+
+	broker_totals t;
+	broker_totals_get(s->b, &t);
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__CheckReply cr = BUFBROKER__CHECK_REPLY__INIT;
+	cr.problems = (uint32_t)problems;
+	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+		cr.buffers += t.buffers[k];
+		cr.bytes += t.bytes[k];
+	}
+	cr.connections = t.connections;
+	/* One string per line, as many as fit in the datagram; problems
+	 * still counts them all. */
+	size_t budget = s->cfg.max_datagram - 128;
+	char *save = NULL;
+	for (char *ln = strtok_r(report, "\n", &save); ln; ln = strtok_r(NULL, "\n", &save)) {
+		size_t need = strlen(ln) + 4;
+		if (need > budget)
+			break;
+		budget -= need;
+		lines[cr.n_report++] = ln;
+	}
+	cr.report = lines;
+	if (problems)
+		log_warn("event=check_failed conn=%llu uid=%u pid=%u problems=%d",
+			 (unsigned long long)me->serial, me->uid, me->pid, problems);
+	else
+		log_debug("event=check_ok conn=%llu uid=%u buffers=%" PRIu64 " bytes=%" PRIu64
+			  " connections=%u",
+			  (unsigned long long)me->serial, me->uid, cr.buffers, cr.bytes,
+			  t.connections);
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_CHECK;
+	resp.check = &cr;
+	reply(r, &resp, -1);
+	free(lines);
+	free(report);
+}
+
 /* ---- dispatch ------------------------------------------------------------------ */
 
 static const char *op_name(Bufbroker__Request__OpCase op)
@@ -639,13 +885,16 @@ static const char *op_name(Bufbroker__Request__OpCase op)
 	case BUFBROKER__REQUEST__OP_STAT: return "stat";
 	case BUFBROKER__REQUEST__OP_LIST: return "list";
 	case BUFBROKER__REQUEST__OP_SERVER_STATUS: return "server_status";
+	case BUFBROKER__REQUEST__OP_CLIENTS: return "clients";
+	case BUFBROKER__REQUEST__OP_CHECK: return "check";
 	default: return "unknown";
 	}
 }
 
 void handler_request(conn *c, const Bufbroker__Request *req, int fd)
 {
-	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .op = op_name(req->op_case)};
+	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .op = op_name(req->op_case),
+		     .opc = req->op_case};
 
 	if (fd >= 0 && req->op_case != BUFBROKER__REQUEST__OP_IMPORT_FD) {
 		close(fd);
@@ -717,6 +966,12 @@ void handler_request(conn *c, const Bufbroker__Request *req, int fd)
 		break;
 	case BUFBROKER__REQUEST__OP_SERVER_STATUS:
 		do_server_status(&r);
+		break;
+	case BUFBROKER__REQUEST__OP_CLIENTS:
+		do_clients(&r, req->clients);
+		break;
+	case BUFBROKER__REQUEST__OP_CHECK:
+		do_check(&r);
 		break;
 	default:
 		r.quiet = false;

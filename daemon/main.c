@@ -1,17 +1,18 @@
 /*
- * bufbrokerd: parse the command line, start the server on a libuv loop,
- * run until SIGTERM/SIGINT, then free everything and exit 0.
+ * bufbrokerd: read the configuration (defaults, then the file, then the
+ * flags), start the server on a libuv loop, reload the file on SIGHUP, run
+ * until SIGTERM/SIGINT, then free everything and exit 0.
  */
-#include <errno.h>
 #include <getopt.h>
-#include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "config.h"
 #include "log.h"
+#include "metrics.h"
 #include "server.h"
 #include "wire.h"
 
@@ -19,8 +20,15 @@ static void usage(FILE *out)
 {
 	fprintf(out,
 		"Usage: bufbrokerd [OPTION]...\n"
+		"       bufbrokerd --check-config FILE\n"
 		"Own host and device buffers and their reference counts across processes.\n"
 		"\n"
+		"  --config FILE          read settings from FILE (default\n"
+		"                         $BUFBROKERD_CONFIG, else %s,\n"
+		"                         when it exists); flags override it; SIGHUP\n"
+		"                         re-reads it\n"
+		"  --check-config FILE    report every problem in FILE and exit 1, or print\n"
+		"                         \"FILE: ok\" and exit 0\n"
 		"  --socket PATH          listen here (default %s as root,\n"
 		"                         $XDG_RUNTIME_DIR/%s otherwise);\n"
 		"                         ignored when systemd passes a socket (LISTEN_FDS)\n"
@@ -29,6 +37,7 @@ static void usage(FILE *out)
 		"  --token-ttl MS         an unadopted token releases after this (default 60000)\n"
 		"  --max-connections N    open connections in all (default 1024)\n"
 		"  --uid-host-bytes BYTES host bytes one uid may hold (default half of RAM)\n"
+		"  --uid-cuda-bytes BYTES CUDA bytes one uid may hold, all devices (default 1T)\n"
 		"  --uid-buffers N        live buffers one uid may own (default 65536)\n"
 		"  --conn-tokens N        live tokens one connection may make (default 4096)\n"
 		"  --conn-waits N         parked waits per connection (default 1024)\n"
@@ -46,215 +55,226 @@ static void usage(FILE *out)
 		"                         (default 90%% of each device's memory)\n"
 		"  --no-cuda              serve host buffers only: do not load the CUDA driver\n"
 		"                         ($BUFBROKER_CUDA_LIBRARY, default libcuda.so.1)\n"
+		"  --metrics-listen ADDRESS:PORT\n"
+		"                         serve Prometheus metrics over HTTP there, e.g.\n"
+		"                         127.0.0.1:9464 (default: off)\n"
 		"  --log-level LEVEL      error, warn, info (default) or debug\n"
 		"  --version              print the version and exit\n"
-		"  --help                 print this help and exit\n",
-		BB_SYSTEM_SOCKET, BB_USER_SOCKET_NAME, BB_MAX_DATAGRAM);
+		"  --help                 print this help and exit\n"
+		"\n"
+		"BYTES and N take an optional K, M, G or T suffix (powers of 1024).\n"
+		"See bufbrokerd(8) for the configuration file's keys.\n",
+		BB_CONFIG_FILE, BB_SYSTEM_SOCKET, BB_USER_SOCKET_NAME, BB_MAX_DATAGRAM);
 }
 
-/* A non-negative integer with an optional K/M/G/T binary suffix. */
-static int parse_u64(const char *s, uint64_t *out)
-{
-	char *end;
-	errno = 0;
-	if (!s[0] || s[0] == '-')
-		return -1;
-	unsigned long long v = strtoull(s, &end, 10);
-	if (errno || end == s)
-		return -1;
-	int shift = 0;
-	switch (*end) {
-	case 'K': case 'k': shift = 10; end++; break;
-	case 'M': case 'm': shift = 20; end++; break;
-	case 'G': case 'g': shift = 30; end++; break;
-	case 'T': case 't': shift = 40; end++; break;
-	default: break;
-	}
-	if (*end == 'i' && shift)
-		end++;
-	if (*end == 'B' && shift)
-		end++;
-	if (*end || (shift && v > (UINT64_MAX >> shift)))
-		return -1;
-	*out = (uint64_t)v << shift;
-	return 0;
-}
+enum { OPT_KEY = 256, OPT_CONFIG, OPT_CHECK_CONFIG, OPT_VERSION, OPT_HELP };
 
-static int parse_u32(const char *s, uint32_t *out)
-{
-	uint64_t v;
-	if (parse_u64(s, &v) < 0 || v > UINT32_MAX)
-		return -1;
-	*out = (uint32_t)v;
-	return 0;
-}
-
-enum {
-	OPT_SOCKET = 256, OPT_SOCKET_MODE, OPT_SOCKET_GROUP, OPT_TOKEN_TTL, OPT_MAX_CONNECTIONS,
-	OPT_UID_HOST_BYTES, OPT_UID_BUFFERS, OPT_CONN_TOKENS, OPT_CONN_WAITS, OPT_QUEUE_BYTES,
-	OPT_MAX_DATAGRAM, OPT_LOG_LEVEL, OPT_VERSION, OPT_HELP, OPT_CUDA_SLAB_BYTES,
-	OPT_CUDA_CACHE_BYTES, OPT_CUDA_DEVICE_BYTES, OPT_NO_CUDA,
-};
-
+/* Every option but the last four sets a configuration key (config.c). */
 static const struct option options[] = {
-	{"socket", required_argument, NULL, OPT_SOCKET},
-	{"socket-mode", required_argument, NULL, OPT_SOCKET_MODE},
-	{"socket-group", required_argument, NULL, OPT_SOCKET_GROUP},
-	{"token-ttl", required_argument, NULL, OPT_TOKEN_TTL},
-	{"max-connections", required_argument, NULL, OPT_MAX_CONNECTIONS},
-	{"uid-host-bytes", required_argument, NULL, OPT_UID_HOST_BYTES},
-	{"uid-buffers", required_argument, NULL, OPT_UID_BUFFERS},
-	{"conn-tokens", required_argument, NULL, OPT_CONN_TOKENS},
-	{"conn-waits", required_argument, NULL, OPT_CONN_WAITS},
-	{"queue-bytes", required_argument, NULL, OPT_QUEUE_BYTES},
-	{"max-datagram", required_argument, NULL, OPT_MAX_DATAGRAM},
-	{"log-level", required_argument, NULL, OPT_LOG_LEVEL},
-	{"cuda-slab-bytes", required_argument, NULL, OPT_CUDA_SLAB_BYTES},
-	{"cuda-cache-bytes", required_argument, NULL, OPT_CUDA_CACHE_BYTES},
-	{"cuda-device-bytes", required_argument, NULL, OPT_CUDA_DEVICE_BYTES},
-	{"no-cuda", no_argument, NULL, OPT_NO_CUDA},
+	{"socket", required_argument, NULL, OPT_KEY},
+	{"socket-mode", required_argument, NULL, OPT_KEY},
+	{"socket-group", required_argument, NULL, OPT_KEY},
+	{"token-ttl", required_argument, NULL, OPT_KEY},
+	{"max-connections", required_argument, NULL, OPT_KEY},
+	{"uid-host-bytes", required_argument, NULL, OPT_KEY},
+	{"uid-cuda-bytes", required_argument, NULL, OPT_KEY},
+	{"uid-buffers", required_argument, NULL, OPT_KEY},
+	{"conn-tokens", required_argument, NULL, OPT_KEY},
+	{"conn-waits", required_argument, NULL, OPT_KEY},
+	{"queue-bytes", required_argument, NULL, OPT_KEY},
+	{"max-datagram", required_argument, NULL, OPT_KEY},
+	{"log-level", required_argument, NULL, OPT_KEY},
+	{"cuda-slab-bytes", required_argument, NULL, OPT_KEY},
+	{"cuda-cache-bytes", required_argument, NULL, OPT_KEY},
+	{"cuda-device-bytes", required_argument, NULL, OPT_KEY},
+	{"no-cuda", no_argument, NULL, OPT_KEY},
+	{"metrics-listen", required_argument, NULL, OPT_KEY},
+	{"config", required_argument, NULL, OPT_CONFIG},
+	{"check-config", required_argument, NULL, OPT_CHECK_CONFIG},
 	{"version", no_argument, NULL, OPT_VERSION},
 	{"help", no_argument, NULL, OPT_HELP},
 	{NULL, 0, NULL, 0},
 };
 
-static int bad_value(const char *opt, const char *val)
+/* What the daemon was started with, kept for SIGHUP. */
+static struct {
+	const char *file;   /* --config FILE, or BB_CONFIG_FILE */
+	bool file_given;    /* --config was given: the file must exist */
+	config_flag *flags; /* the flags that set keys, in order */
+	size_t nflags;
+	config running; /* the settings in effect */
+	server s;
+	uv_signal_t sighup;
+} d;
+
+static void problems_print(const config_problems *probs)
 {
-	fprintf(stderr, "bufbrokerd: invalid value \"%s\" for --%s\n", val, opt);
-	return 2;
+	char line[1024];
+	for (size_t i = 0; i < probs->n; i++)
+		fprintf(stderr, "bufbrokerd: %s\n",
+			config_problem_format(probs, &probs->list[i], line, sizeof(line)));
+}
+
+/* Defaults, then the file, then the flags, into c (config_free it in any
+ * case). Problems go to file_probs and flag_probs; returns their number. */
+static size_t load(config *c, config_problems *file_probs, config_problems *flag_probs)
+{
+	config_init(c);
+	size_t n = config_read_file(c, d.file, d.file_given, file_probs);
+	for (size_t i = 0; i < d.nflags; i++)
+		if (config_apply_flag(c, &d.flags[i], flag_probs) < 0)
+			n++;
+	if (config_finish(c, flag_probs) < 0)
+		n++;
+	return n;
+}
+
+/* SIGHUP: re-read the file; apply what can change live, or, if the file
+ * has problems, log them and change nothing. */
+static void on_sighup(uv_signal_t *h, int signum)
+{
+	config fresh;
+	config_problems fp = {0}, flp = {0};
+	char file[300];
+	(void)h;
+	(void)signum;
+	log_escape(d.file, file, sizeof(file));
+	size_t n = load(&fresh, &fp, &flp);
+	if (n) {
+		config_problems_log(&fp);
+		config_problems_log(&flp);
+		log_error("event=config_reload_failed file=\"%s\" problems=%zu action=none", file,
+			  n);
+	} else {
+		size_t applied = config_apply_live(&d.running, &fresh);
+		server_reload(&d.s, &d.running.server);
+		log_info("event=config_reloaded file=\"%s\" applied=%zu", file, applied);
+		log_set_level(d.running.log_level);
+	}
+	config_free(&fresh);
+	config_problems_free(&fp);
+	config_problems_free(&flp);
+}
+
+/* --check-config FILE: every problem of the file (and of the flags given
+ * with it), or "FILE: ok". */
+static int check_config(const char *path)
+{
+	config c;
+	config_problems fp = {0}, flp = {0};
+	d.file = path;
+	d.file_given = true;
+	size_t n = load(&c, &fp, &flp);
+	problems_print(&fp);
+	problems_print(&flp);
+	if (n == 0)
+		printf("%s: ok\n", path);
+	else
+		fprintf(stderr, "bufbrokerd: %s: %zu problem%s\n", path, n, n == 1 ? "" : "s");
+	config_free(&c);
+	config_problems_free(&fp);
+	config_problems_free(&flp);
+	return n ? 1 : 0;
 }
 
 int main(int argc, char **argv)
 {
-	server_config cfg = {
-		.socket_mode = 0660,
-		.max_datagram = BB_MAX_DATAGRAM,
-		.queue_bytes = 4u << 20,
-	};
-	char default_path[256];
-	int opt;
-	broker_limits_default(&cfg.limits);
-	backend_cuda_config_default(&cfg.cuda);
+	const char *check = NULL;
+	int opt, idx;
 
-	while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
-		const char *v = optarg;
-		uint64_t u64;
+	/* A SIGHUP before the loop handles it must not end the daemon. */
+	signal(SIGHUP, SIG_IGN);
+	/* $BUFBROKERD_CONFIG moves the default (the test suite points it at
+	 * an empty file so that a host's own config cannot change results). */
+	const char *env = getenv("BUFBROKERD_CONFIG");
+	d.file = env && env[0] ? env : BB_CONFIG_FILE;
+	d.flags = calloc((size_t)argc, sizeof(*d.flags));
+	if (!d.flags)
+		return 1;
+	while ((opt = getopt_long(argc, argv, "", options, &idx)) != -1) {
 		switch (opt) {
-		case OPT_SOCKET:
-			cfg.socket_path = v;
+		case OPT_KEY:
+			d.flags[d.nflags].name = options[idx].name;
+			d.flags[d.nflags].value = optarg ? optarg : "false"; /* --no-cuda */
+			d.nflags++;
 			break;
-		case OPT_SOCKET_MODE: {
-			char *end;
-			long m = strtol(v, &end, 8);
-			if (*end || m < 0 || m > 07777)
-				return bad_value("socket-mode", v);
-			cfg.socket_mode = (mode_t)m;
+		case OPT_CONFIG:
+			d.file = optarg;
+			d.file_given = true;
 			break;
-		}
-		case OPT_SOCKET_GROUP:
-			cfg.socket_group = v;
-			break;
-		case OPT_TOKEN_TTL:
-			if (parse_u64(v, &cfg.limits.token_ttl_ms) < 0 || cfg.limits.token_ttl_ms == 0)
-				return bad_value("token-ttl", v);
-			break;
-		case OPT_MAX_CONNECTIONS:
-			if (parse_u32(v, &cfg.limits.connections) < 0 || !cfg.limits.connections)
-				return bad_value("max-connections", v);
-			break;
-		case OPT_UID_HOST_BYTES:
-			if (parse_u64(v, &cfg.limits.uid_bytes[BB_HOST]) < 0)
-				return bad_value("uid-host-bytes", v);
-			break;
-		case OPT_UID_BUFFERS:
-			if (parse_u64(v, &cfg.limits.uid_buffers) < 0)
-				return bad_value("uid-buffers", v);
-			break;
-		case OPT_CONN_TOKENS:
-			if (parse_u32(v, &cfg.limits.conn_tokens) < 0)
-				return bad_value("conn-tokens", v);
-			break;
-		case OPT_CONN_WAITS:
-			if (parse_u32(v, &cfg.limits.conn_waits) < 0)
-				return bad_value("conn-waits", v);
-			break;
-		case OPT_QUEUE_BYTES:
-			if (parse_u64(v, &cfg.queue_bytes) < 0 || cfg.queue_bytes < 4096)
-				return bad_value("queue-bytes", v);
-			break;
-		case OPT_MAX_DATAGRAM:
-			if (parse_u64(v, &u64) < 0 || u64 < 1024 || u64 > (16u << 20))
-				return bad_value("max-datagram", v);
-			cfg.max_datagram = (uint32_t)u64;
-			break;
-		case OPT_CUDA_SLAB_BYTES:
-			if (parse_u64(v, &cfg.cuda.slab_bytes) < 0 ||
-			    cfg.cuda.slab_bytes < BACKEND_CUDA_SLAB_MIN ||
-			    cfg.cuda.slab_bytes > (1ULL << 40))
-				return bad_value("cuda-slab-bytes", v);
-			break;
-		case OPT_CUDA_CACHE_BYTES:
-			if (parse_u64(v, &cfg.cuda.cache_bytes) < 0)
-				return bad_value("cuda-cache-bytes", v);
-			break;
-		case OPT_CUDA_DEVICE_BYTES:
-			if (parse_u64(v, &cfg.cuda.device_bytes) < 0 || cfg.cuda.device_bytes == 0)
-				return bad_value("cuda-device-bytes", v);
-			break;
-		case OPT_NO_CUDA:
-			cfg.no_cuda = true;
-			break;
-		case OPT_LOG_LEVEL: {
-			int l = log_level_parse(v);
-			if (l < 0)
-				return bad_value("log-level", v);
-			log_set_level((enum log_level)l);
-			break;
-		}
+		case OPT_CHECK_CONFIG: check = optarg; break;
 		case OPT_VERSION:
-			printf("bufbrokerd %s (protocol %d.%d)\n", BB_VERSION_STRING, BB_PROTO_MAJOR,
-			       BB_PROTO_MINOR);
+			printf("bufbrokerd %s (protocol %d.%d)\n", BB_VERSION_STRING,
+			       BB_PROTO_MAJOR, BB_PROTO_MINOR);
+			free(d.flags);
 			return 0;
 		case OPT_HELP:
 			usage(stdout);
+			free(d.flags);
 			return 0;
 		default:
 			usage(stderr);
+			free(d.flags);
 			return 2;
 		}
 	}
 	if (optind < argc) {
 		fprintf(stderr, "bufbrokerd: unexpected argument \"%s\"\n", argv[optind]);
 		usage(stderr);
+		free(d.flags);
 		return 2;
 	}
-	if (!cfg.socket_path) {
-		const char *xdg = getenv("XDG_RUNTIME_DIR");
-		if (geteuid() != 0 && xdg && xdg[0]) {
-			snprintf(default_path, sizeof(default_path), "%s/%s", xdg, BB_USER_SOCKET_NAME);
-			cfg.socket_path = default_path;
-		} else {
-			cfg.socket_path = BB_SYSTEM_SOCKET;
-		}
+	if (check) {
+		int rc = check_config(check);
+		free(d.flags);
+		return rc;
 	}
+
+	config_problems fp = {0}, flp = {0};
+	size_t n = load(&d.running, &fp, &flp);
+	if (n) {
+		problems_print(&fp);
+		problems_print(&flp);
+		/* A bad flag is a bad command line (2); a bad file is not. */
+		int rc = flp.n ? 2 : 1;
+		config_problems_free(&fp);
+		config_problems_free(&flp);
+		config_free(&d.running);
+		free(d.flags);
+		return rc;
+	}
+	log_set_level(d.running.log_level);
 
 	/* Sends use MSG_NOSIGNAL; this also covers anything that doesn't. */
 	signal(SIGPIPE, SIG_IGN);
 
 	uv_loop_t loop;
-	server s;
 	int rc = 0;
 	if (uv_loop_init(&loop) < 0) {
 		fprintf(stderr, "bufbrokerd: cannot create the event loop\n");
+		config_free(&d.running);
+		free(d.flags);
 		return 1;
 	}
-	if (server_start(&s, &loop, &cfg) < 0)
+	char file[300];
+	log_escape(d.file, file, sizeof(file));
+	log_info("event=config_read file=\"%s\" found=%s", file,
+		 access(d.file, F_OK) == 0 ? "yes" : "no");
+	if (server_start(&d.s, &loop, &d.running.server) < 0) {
 		rc = 1;
-	else
+	} else if (d.running.metrics_listen && metrics_start(&d.s, d.running.metrics_listen) < 0) {
+		rc = 1; /* asked for metrics and cannot serve them: the log says why */
+	} else {
+		uv_signal_init(&loop, &d.sighup);
+		uv_signal_start(&d.sighup, on_sighup, SIGHUP);
 		uv_run(&loop, UV_RUN_DEFAULT);
-	server_shutdown(&s);
+	}
+	metrics_stop(&d.s);
+	server_shutdown(&d.s);
 	uv_loop_close(&loop);
 	if (rc == 0)
 		log_info("event=stopped");
+	config_free(&d.running);
+	free(d.flags);
 	return rc;
 }

@@ -388,6 +388,13 @@ int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
 	return 0;
 }
 
+void server_reload(server *s, const server_config *cfg)
+{
+	s->cfg.limits = cfg->limits;
+	s->cfg.queue_bytes = cfg->queue_bytes;
+	broker_set_limits(s->b, &cfg->limits);
+}
+
 static void close_walk(uv_handle_t *h, void *arg)
 {
 	(void)arg;
@@ -397,6 +404,9 @@ static void close_walk(uv_handle_t *h, void *arg)
 
 void server_shutdown(server *s)
 {
+	/* Its thread reads nothing of ours, but it asks the loop for
+	 * snapshots: stop it before the loop's handles close. */
+	metrics_stop(s);
 	s->stopping = true;
 	sd_notify(0, "STOPPING=1");
 	if (s->loop) {

@@ -14,6 +14,7 @@
 #include "backend_cuda.h"
 #include "broker.h"
 #include "bufbroker.pb-c.h"
+#include "metrics.h"
 
 typedef struct server server;
 typedef struct conn conn;
@@ -108,6 +109,8 @@ struct server {
 	unsigned char *rbuf;      /* receive buffer, max_datagram + 1 bytes */
 	unsigned char *sbuf;      /* send buffer, max_datagram bytes */
 	bool stopping;            /* shutdown begun */
+	metrics_counters counters; /* requests, latency, refusals (metrics.h) */
+	metrics_endpoint *metrics; /* the HTTP endpoint, or NULL */
 };
 
 /* Listen (or take the socket systemd passed), set up timers and signals.
@@ -116,6 +119,11 @@ int server_start(server *s, uv_loop_t *loop, const server_config *cfg);
 /* Close every connection and handle; run the loop until all are gone and
  * free everything. */
 void server_shutdown(server *s);
+/* Apply the settings of cfg that can change while running (SIGHUP): the
+ * broker limits (they apply to later requests; a lower limit takes nothing
+ * back) and queue_bytes. Every other field of cfg is ignored: the socket,
+ * max_datagram and CUDA settings take effect only at the next start. */
+void server_reload(server *s, const server_config *cfg);
 
 /* Send r (with fd attached unless fd < 0; the fd is borrowed) to c. A full
  * socket queues it; a queue over the limit dooms the connection. */
@@ -134,6 +142,9 @@ void handler_drop_waits(conn *c);
 /* Retry every parked alloc once, oldest first (a backend job is done);
  * those that must wait again stay parked, in order. */
 void handler_retry_allocs(server *s);
+/* "OK", "NOT_FOUND", ...: a status code's name, as logs and metrics write
+ * it ("UNKNOWN" for a code this daemon does not know). */
+const char *handler_status_name(int code);
 /* After a Take: make sure the token timer will fire. */
 void server_tokens_changed(server *s);
 

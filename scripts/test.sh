@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Install the build dependencies (Debian), build, and run the whole test
 # suite twice: a RelWithDebInfo build, then an AddressSanitizer +
-# UndefinedBehaviorSanitizer build. Exits non-zero if anything fails.
+# UndefinedBehaviorSanitizer build; then, as root, build, install and purge
+# the Debian packages (scripts/package-test.sh). Exits non-zero if anything
+# fails.
 #
 # Usage: sudo ./scripts/test.sh        (root or sudo only to install packages)
-# Build trees: build/ and build-asan/ (BUFBROKER_BUILD_DIR=DIR: DIR, DIR-asan).
+# Build trees: build/, build-asan/ and build-pkg/ (BUFBROKER_BUILD_DIR=DIR:
+# DIR, DIR-asan, DIR-pkg).
 set -euo pipefail
 
 # shellcheck source=scripts/lib.sh
@@ -64,6 +67,24 @@ export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 # Debug: assertions on (NDEBUG off) and the clearest sanitizer reports.
 if ! run_suite asan "$BB_BUILD_DIR-asan" Debug -DBB_SANITIZE=ON; then
 	failed=1
+fi
+
+# The Debian packages: build, dpkg -i, serve, build the examples against
+# them, purge (scripts/package-test.sh). Root only: it installs packages.
+pkg_label="packages ($BB_BUILD_DIR-pkg, cpack -G DEB, dpkg -i/--purge)"
+if [ "$(id -u)" -ne 0 ]; then
+	summary+=("$pkg_label: SKIP (needs root; run: sudo scripts/package-test.sh)")
+else
+	pkg_rc=0
+	scripts/package-test.sh || pkg_rc=$?
+	case "$pkg_rc" in
+	0) summary+=("$pkg_label: PASS") ;;
+	77) summary+=("$pkg_label: SKIP (see the SKIP line above)") ;;
+	*)
+		summary+=("$pkg_label: FAIL (see above)")
+		failed=1
+		;;
+	esac
 fi
 
 echo

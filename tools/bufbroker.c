@@ -2,25 +2,36 @@
  * bufbroker: the operator's view of a running bufbrokerd.
  *
  *   bufbroker [--socket PATH] [--json] status
- *   bufbroker [--socket PATH] [--json] ls
+ *   bufbroker [--socket PATH] [--json] ls [--uid UID] [--name GLOB] [--state STATE] [--kind KIND]
  *   bufbroker [--socket PATH] [--json] stat ID | NAME | --id ID | --name NAME
+ *   bufbroker [--socket PATH] [--json] clients
+ *   bufbroker [--socket PATH] top [-n N]
+ *   bufbroker [--socket PATH] [--json] check
  *
- * The public API has no List, ServerStatus or Stat by name, so this tool
- * speaks the wire protocol through the library's raw request path
- * (bbc_call). Human output is for people and may change; the --json output
+ * The public API has no List, ServerStatus, Stat by name, Clients or Check,
+ * so this tool speaks the wire protocol through the library's raw request
+ * path (bbc_call). Human output is for people and may change; the --json output
  * (one object per command, on one line) is the interface for scripts.
  *
  * Exit status: 0 success, 1 the daemon (or the connection to it) failed,
  * 2 the command line is wrong.
  */
 #include <errno.h>
+#include <fnmatch.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <poll.h>
+#include <pwd.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
+#include <termios.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "bufbroker/bufbroker.h"
 #include "client_internal.h"
@@ -31,12 +42,25 @@ enum { EXIT_DAEMON = 1, EXIT_USAGE = 2 };
 
 /* The command line, once parsed. */
 struct cli {
-	const char *socket;   /* --socket; NULL: the library's default */
-	bool json;            /* --json */
-	const char *command;  /* status, ls, stat, help */
-	const char *target;   /* stat's positional argument, or NULL */
-	const char *id_arg;   /* stat --id */
-	const char *name_arg; /* stat --name */
+	const char *socket;    /* --socket; NULL: the library's default */
+	bool json;             /* --json */
+	const char *command;   /* status, ls, stat, clients, top, check, help */
+	const char *target;    /* stat's positional argument, or NULL */
+	const char *id_arg;    /* stat --id */
+	const char *name_arg;  /* stat --name, ls --name (a glob) */
+	const char *uid_arg;   /* ls --uid */
+	const char *state_arg; /* ls --state */
+	const char *kind_arg;  /* ls --kind */
+	const char *count_arg; /* top -n */
+};
+
+/* ls filters, once checked; a row must pass every one that is set. */
+struct ls_filter {
+	bool has_uid;     /* --uid given */
+	uint32_t uid;     /* owner uid */
+	const char *glob; /* --name: fnmatch(3) pattern; unnamed buffers never match */
+	int state;        /* --state: a Bufbroker__State, or -1 */
+	int kind;         /* --kind: a Bufbroker__Kind, or -1 */
 };
 
 static void usage(FILE *f)
@@ -47,10 +71,20 @@ static void usage(FILE *f)
 		"Commands:\n"
 		"  status            the daemon's version, uptime, connections, totals and\n"
 		"                    CUDA devices\n"
-		"  ls                every buffer this user may see\n"
+		"  ls                every buffer this user may see, filtered by:\n"
+		"    --uid UID         owner (a number or a user name)\n"
+		"    --name GLOB       name matching a shell pattern (unnamed buffers never do)\n"
+		"    --state STATE     pending, ready or failed\n"
+		"    --kind KIND       host or cuda\n"
 		"  stat ID|NAME      one buffer; digits only means an id\n"
 		"  stat --id ID      one buffer by id\n"
 		"  stat --name NAME  one buffer by name\n"
+		"  clients           the open connections (root: all; others: their own uid's)\n"
+		"                    with pid, process, buffers and bytes held, tokens, waits\n"
+		"  top [-n N]        a live view, redrawn every second; q or Ctrl-C quits,\n"
+		"                    -n N stops after N frames\n"
+		"  check             verify the daemon's reference counts and totals (root or\n"
+		"                    the daemon's uid); exit 1 when something is wrong\n"
 		"  help              this text\n"
 		"\n"
 		"Options:\n"
@@ -61,7 +95,7 @@ static void usage(FILE *f)
 		"  --version         print the version and exit\n"
 		"  -h, --help        print this text and exit\n"
 		"\n"
-		"Exit status: 0 ok, 1 daemon error, 2 usage error.\n",
+		"Exit status: 0 ok, 1 daemon error (or check found a problem), 2 usage error.\n",
 		BB_USER_SOCKET_NAME, BB_SYSTEM_SOCKET);
 }
 
@@ -86,6 +120,20 @@ static int daemon_error(int err)
 
 	fprintf(stderr, "bufbroker: %s\n", msg && *msg ? msg : bb_strerror(err));
 	return EXIT_DAEMON;
+}
+
+/* daemon_error for an op added in protocol minor 1: an older daemon does
+ * not know it and says "unknown or missing op". */
+static int daemon_error_v1_1(int err, const char *command)
+{
+	if (err == BB_ERR_PROTOCOL) {
+		fprintf(stderr,
+			"bufbroker: the daemon does not support '%s' (it needs protocol %d.1 or "
+			"later): %s\n",
+			command, BB_PROTO_MAJOR, bb_last_error());
+		return EXIT_DAEMON;
+	}
+	return daemon_error(err);
 }
 
 /* ---- formatting ------------------------------------------------------- */
@@ -433,19 +481,48 @@ static void ls_row_fill(const Bufbroker__BufferInfo *b, struct ls_row *row)
 	snprintf(row->cell[COL_OWNER], 32, "%" PRIu32, b->owner_uid);
 }
 
-static void ls_print_row(const char *const cells[NCOLS], const size_t width[NCOLS])
+/* One table row: each cell padded to its column's width, right-aligned
+ * where right[i], two spaces between columns, no trailing blanks. */
+static void print_row(int ncols, const char *const cells[], const size_t width[],
+		      const bool right[])
 {
-	for (int i = 0; i < NCOLS; i++) {
+	for (int i = 0; i < ncols; i++) {
 		size_t pad = width[i] - text_width(cells[i]);
 
-		if (col_right[i])
+		if (right[i])
 			printf("%*s", (int)pad, "");
 		put_text(cells[i]);
-		if (i == NCOLS - 1)
+		if (i == ncols - 1)
 			break;
-		printf("%*s", (int)(col_right[i] ? 2 : pad + 2), "");
+		printf("%*s", (int)(right[i] ? 2 : pad + 2), "");
 	}
 	putchar('\n');
+}
+
+static void ls_print_row(const char *const cells[NCOLS], const size_t width[NCOLS])
+{
+	print_row(NCOLS, cells, width, col_right);
+}
+
+/* Print rows[0..nrows) (each ncols cells) under the titles, each column as
+ * wide as its widest cell. */
+static void print_table(int ncols, const char *const title[], const bool right[],
+			const char *const *const rows[], size_t nrows)
+{
+	size_t width[16];
+
+	for (int k = 0; k < ncols; k++)
+		width[k] = text_width(title[k]);
+	for (size_t i = 0; i < nrows; i++)
+		for (int k = 0; k < ncols; k++) {
+			size_t w = text_width(rows[i][k]);
+
+			if (w > width[k])
+				width[k] = w;
+		}
+	print_row(ncols, title, width, right);
+	for (size_t i = 0; i < nrows; i++)
+		print_row(ncols, rows[i], width, right);
 }
 
 static int by_id(const void *a, const void *b)
@@ -499,7 +576,8 @@ static int ls_fetch(bb_client *c, struct ls_pages *p)
 		for (size_t i = 0; i < l->n_buffers; i++) {
 			if (p->nrows == p->cap) {
 				size_t cap = p->cap ? p->cap * 2 : 64;
-				Bufbroker__BufferInfo **rows = realloc(p->rows, cap * sizeof(*rows));
+				Bufbroker__BufferInfo **rows =
+					realloc(p->rows, cap * sizeof(*rows));
 				if (!rows)
 					return BB_ERR_NO_MEMORY;
 				p->rows = rows;
@@ -514,10 +592,23 @@ static int ls_fetch(bb_client *c, struct ls_pages *p)
 	}
 }
 
-static int cmd_ls(bb_client *c, bool json)
+static bool ls_match(const Bufbroker__BufferInfo *b, const struct ls_filter *f)
+{
+	if (f->has_uid && b->owner_uid != f->uid)
+		return false;
+	if (f->state >= 0 && (int)b->state != f->state)
+		return false;
+	if (f->kind >= 0 && (int)b->kind != f->kind)
+		return false;
+	if (f->glob && (!b->name || !*b->name || fnmatch(f->glob, b->name, 0) != 0))
+		return false;
+	return true;
+}
+
+static int cmd_ls(bb_client *c, bool json, const struct ls_filter *f)
 {
 	struct ls_pages p = {0};
-	size_t width[NCOLS], i;
+	size_t width[NCOLS], i, kept = 0;
 	const char *cells[NCOLS];
 	struct ls_row row;
 	int err;
@@ -527,6 +618,11 @@ static int cmd_ls(bb_client *c, bool json)
 		ls_pages_free(&p);
 		return daemon_error(err);
 	}
+	/* The daemon has no filters: keep the matching rows here. */
+	for (i = 0; i < p.nrows; i++)
+		if (ls_match(p.rows[i], f))
+			p.rows[kept++] = p.rows[i];
+	p.nrows = kept;
 	if (p.nrows > 1)
 		qsort(p.rows, p.nrows, sizeof(*p.rows), by_id);
 
@@ -614,6 +710,483 @@ static int cmd_stat(bb_client *c, bool json, uint64_t id, const char *name)
 	return 0;
 }
 
+/* ---- clients ------------------------------------------------------------ */
+
+/* Every page of the daemon's Clients answer, in connection order. */
+struct clients_pages {
+	Bufbroker__Response **pages; /* responses, freed at the end */
+	size_t npages;
+	Bufbroker__ClientInfo **rows; /* rows of all pages */
+	size_t nrows, cap;
+};
+
+static void clients_pages_free(struct clients_pages *p)
+{
+	for (size_t i = 0; i < p->npages; i++)
+		bbc_response_free(p->pages[i]);
+	free(p->pages);
+	free(p->rows);
+	memset(p, 0, sizeof(*p));
+}
+
+static int clients_fetch(bb_client *c, struct clients_pages *p)
+{
+	uint64_t after = 0;
+	for (;;) {
+		Bufbroker__Clients op = BUFBROKER__CLIENTS__INIT;
+		Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+		Bufbroker__Response *r, **pages;
+		int err;
+
+		op.after_serial = after;
+		req.op_case = BUFBROKER__REQUEST__OP_CLIENTS;
+		req.clients = &op;
+		err = cli_call(c, &req, BUFBROKER__RESPONSE__RESULT_CLIENTS, &r);
+		if (err)
+			return err;
+		pages = realloc(p->pages, (p->npages + 1) * sizeof(*pages));
+		if (!pages) {
+			bbc_response_free(r);
+			return bbc_fail(BB_ERR_NO_MEMORY, "out of memory");
+		}
+		p->pages = pages;
+		p->pages[p->npages++] = r;
+		Bufbroker__ClientsReply *l = r->clients;
+		for (size_t i = 0; i < l->n_clients; i++) {
+			if (p->nrows == p->cap) {
+				size_t cap = p->cap ? p->cap * 2 : 64;
+				Bufbroker__ClientInfo **rows =
+					realloc(p->rows, cap * sizeof(*rows));
+				if (!rows)
+					return bbc_fail(BB_ERR_NO_MEMORY, "out of memory");
+				p->rows = rows;
+				p->cap = cap;
+			}
+			p->rows[p->nrows++] = l->clients[i];
+			if (l->clients[i]->serial > after)
+				after = l->clients[i]->serial;
+		}
+		if (!l->truncated || l->n_clients == 0)
+			return 0;
+	}
+}
+
+enum {
+	CC_CONN,
+	CC_UID,
+	CC_PID,
+	CC_PROCESS,
+	CC_CLIENT,
+	CC_BUFFERS,
+	CC_BYTES,
+	CC_TOKENS,
+	CC_WAITS,
+	CC_AGE,
+	NCCOLS
+};
+
+static const char *const cc_title[NCCOLS] = {"CONN",    "UID",   "PID",    "PROCESS", "CLIENT",
+					     "BUFFERS", "BYTES", "TOKENS", "WAITS",   "AGE"};
+static const bool cc_right[NCCOLS] = {true, true, true, false, false, true, true, true, true, true};
+
+/* One clients row as text. */
+struct client_cells {
+	char cell[NCCOLS][72];
+	const char *ptr[NCCOLS]; /* cell[i], for print_table */
+};
+
+static void client_cells_fill(const Bufbroker__ClientInfo *ci, struct client_cells *row)
+{
+	snprintf(row->cell[CC_CONN], 72, "%" PRIu64 "%s", ci->serial, ci->self ? "*" : "");
+	snprintf(row->cell[CC_UID], 72, "%" PRIu32, ci->uid);
+	snprintf(row->cell[CC_PID], 72, "%" PRIu32, ci->pid);
+	snprintf(row->cell[CC_PROCESS], 72, "%s", ci->process && *ci->process ? ci->process : "-");
+	snprintf(row->cell[CC_CLIENT], 72, "%s",
+		 ci->client_name && *ci->client_name ? ci->client_name : "-");
+	snprintf(row->cell[CC_BUFFERS], 72, "%" PRIu64, ci->buffers);
+	fmt_size(ci->bytes, row->cell[CC_BYTES], 72);
+	snprintf(row->cell[CC_TOKENS], 72, "%" PRIu32, ci->tokens);
+	snprintf(row->cell[CC_WAITS], 72, "%" PRIu32, ci->waits);
+	fmt_duration(ci->age_ms, row->cell[CC_AGE], 72);
+	for (int k = 0; k < NCCOLS; k++)
+		row->ptr[k] = row->cell[k];
+}
+
+/* Print the clients table of rows[0..n). */
+static int clients_table(Bufbroker__ClientInfo *const rows[], size_t n)
+{
+	struct client_cells *cells = calloc(n ? n : 1, sizeof(*cells));
+	const char *const **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
+
+	if (!cells || !ptrs) {
+		free(cells);
+		free(ptrs);
+		fputs("bufbroker: out of memory\n", stderr);
+		return EXIT_DAEMON;
+	}
+	for (size_t i = 0; i < n; i++) {
+		client_cells_fill(rows[i], &cells[i]);
+		ptrs[i] = cells[i].ptr;
+	}
+	print_table(NCCOLS, cc_title, cc_right, ptrs, n);
+	free(cells);
+	free(ptrs);
+	return 0;
+}
+
+static void json_client(const Bufbroker__ClientInfo *ci)
+{
+	printf("{\"conn\":%" PRIu64 ",\"uid\":%" PRIu32 ",\"gid\":%" PRIu32 ",\"pid\":%" PRIu32
+	       ",\"process\":",
+	       ci->serial, ci->uid, ci->gid, ci->pid);
+	json_str(ci->process);
+	fputs(",\"client\":", stdout);
+	json_str(ci->client_name);
+	printf(",\"buffers\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"tokens\":%" PRIu32
+	       ",\"waits\":%" PRIu32 ",\"age_ms\":%" PRIu64 ",\"self\":%s}",
+	       ci->buffers, ci->bytes, ci->tokens, ci->waits, ci->age_ms,
+	       ci->self ? "true" : "false");
+}
+
+static int cmd_clients(bb_client *c, bool json)
+{
+	struct clients_pages p = {0};
+	int err, rc = 0;
+
+	err = clients_fetch(c, &p);
+	if (err) {
+		clients_pages_free(&p);
+		return daemon_error_v1_1(err, "clients");
+	}
+	if (json) {
+		fputs("{\"clients\":[", stdout);
+		for (size_t i = 0; i < p.nrows; i++) {
+			if (i)
+				putchar(',');
+			json_client(p.rows[i]);
+		}
+		fputs("]}\n", stdout);
+	} else {
+		rc = clients_table(p.rows, p.nrows);
+	}
+	clients_pages_free(&p);
+	return rc;
+}
+
+/* ---- check -------------------------------------------------------------- */
+
+static int cmd_check(bb_client *c, bool json)
+{
+	Bufbroker__Check op = BUFBROKER__CHECK__INIT;
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Response *r;
+	const Bufbroker__CheckReply *k;
+	char sz[32];
+	int err;
+
+	req.op_case = BUFBROKER__REQUEST__OP_CHECK;
+	req.check = &op;
+	err = cli_call(c, &req, BUFBROKER__RESPONSE__RESULT_CHECK, &r);
+	if (err)
+		return daemon_error_v1_1(err, "check");
+	k = r->check;
+	if (json) {
+		printf("{\"ok\":%s,\"problems\":%" PRIu32 ",\"report\":[",
+		       k->problems ? "false" : "true", k->problems);
+		for (size_t i = 0; i < k->n_report; i++) {
+			if (i)
+				putchar(',');
+			json_str(k->report[i]);
+		}
+		printf("],\"buffers\":%" PRIu64 ",\"bytes\":%" PRIu64 ",\"connections\":%" PRIu32
+		       "}\n",
+		       k->buffers, k->bytes, k->connections);
+	} else if (k->problems == 0) {
+		fmt_size(k->bytes, sz, sizeof(sz));
+		printf("ok: %" PRIu64 " buffers, %" PRIu64 " bytes (%s), %" PRIu32
+		       " connections consistent\n",
+		       k->buffers, k->bytes, sz, k->connections);
+	} else {
+		for (size_t i = 0; i < k->n_report; i++) {
+			fputs("problem: ", stdout);
+			put_text(k->report[i]);
+			putchar('\n');
+		}
+		if (k->problems > k->n_report)
+			printf("(%zu more not shown)\n", (size_t)k->problems - k->n_report);
+		printf("check failed: %" PRIu32 " problem%s\n", k->problems,
+		       k->problems == 1 ? "" : "s");
+	}
+	err = k->problems ? EXIT_DAEMON : 0;
+	bbc_response_free(r);
+	return err;
+}
+
+/* ---- top ---------------------------------------------------------------- */
+
+static volatile sig_atomic_t g_top_stop; /* a signal asked top to end */
+static struct termios g_tty_saved;       /* stdin's settings before top */
+static bool g_tty_raw;                   /* stdin is in top's mode: restore it */
+static bool g_cursor_hidden;             /* stdout's cursor is hidden: show it */
+
+static void top_on_signal(int sig)
+{
+	(void)sig;
+	g_top_stop = 1;
+}
+
+/* Put the terminal back as top found it. Safe to call more than once. */
+static void top_restore(void)
+{
+	if (g_tty_raw) {
+		tcsetattr(STDIN_FILENO, TCSANOW, &g_tty_saved);
+		g_tty_raw = false;
+	}
+	if (g_cursor_hidden) {
+		fputs("\033[?25h", stdout);
+		fflush(stdout);
+		g_cursor_hidden = false;
+	}
+}
+
+/* Keys without Enter and without echo; signals (Ctrl-C) still work. */
+static void top_tty_setup(void)
+{
+	struct termios t;
+
+	if (!isatty(STDIN_FILENO) || tcgetattr(STDIN_FILENO, &g_tty_saved) != 0)
+		return;
+	t = g_tty_saved;
+	t.c_lflag &= ~(tcflag_t)(ICANON | ECHO);
+	t.c_cc[VMIN] = 0;
+	t.c_cc[VTIME] = 0;
+	if (tcsetattr(STDIN_FILENO, TCSANOW, &t) == 0)
+		g_tty_raw = true;
+}
+
+static int by_bytes_held(const void *a, const void *b)
+{
+	const Bufbroker__ClientInfo *x = *(Bufbroker__ClientInfo *const *)a;
+	const Bufbroker__ClientInfo *y = *(Bufbroker__ClientInfo *const *)b;
+
+	if (x->bytes != y->bytes)
+		return x->bytes < y->bytes ? 1 : -1;
+	if (x->buffers != y->buffers)
+		return x->buffers < y->buffers ? 1 : -1;
+	return (x->serial > y->serial) - (x->serial < y->serial);
+}
+
+static int by_size(const void *a, const void *b)
+{
+	const Bufbroker__BufferInfo *x = *(Bufbroker__BufferInfo *const *)a;
+	const Bufbroker__BufferInfo *y = *(Bufbroker__BufferInfo *const *)b;
+
+	if (x->size != y->size)
+		return x->size < y->size ? 1 : -1;
+	return (x->id > y->id) - (x->id < y->id);
+}
+
+/* Rows each of top's two tables may show: half of what the terminal has
+ * left under the header, or 10 each when stdout is not a terminal. */
+static size_t top_table_rows(bool tty, size_t header_lines)
+{
+	struct winsize ws;
+
+	if (!tty || ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) != 0 || ws.ws_row == 0)
+		return 10;
+	/* Each table: a title, the column titles; a blank line between. */
+	size_t used = header_lines + 5;
+	return ws.ws_row > used + 2 ? (ws.ws_row - used) / 2 : 1;
+}
+
+/* One frame: the status header, the busiest clients, the largest buffers. */
+static int top_frame(bb_client *c, bool tty)
+{
+	Bufbroker__ServerStatus sop = BUFBROKER__SERVER_STATUS__INIT;
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Response *r = NULL;
+	struct clients_pages cp = {0};
+	struct ls_pages lp = {0};
+	uint64_t buffers[2] = {0, 0}, bytes[2] = {0, 0};
+	char up[64], a[32], b[32], d[32], e[32];
+	size_t header = 4, limit, i;
+	int err;
+
+	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
+	req.server_status = &sop;
+	err = cli_call(c, &req, BUFBROKER__RESPONSE__RESULT_SERVER_STATUS, &r);
+	if (err)
+		return daemon_error(err);
+	err = clients_fetch(c, &cp);
+	if (err) {
+		bbc_response_free(r);
+		clients_pages_free(&cp);
+		return daemon_error_v1_1(err, "top");
+	}
+	err = ls_fetch(c, &lp);
+	if (err) {
+		bbc_response_free(r);
+		clients_pages_free(&cp);
+		ls_pages_free(&lp);
+		return daemon_error(err);
+	}
+	const Bufbroker__ServerStatusReply *s = r->server_status;
+	for (i = 0; i < s->n_kinds; i++) {
+		int slot = s->kinds[i]->kind == BUFBROKER__KIND__KIND_HOST   ? 0
+			   : s->kinds[i]->kind == BUFBROKER__KIND__KIND_CUDA ? 1
+									     : -1;
+		if (slot >= 0) {
+			buffers[slot] += s->kinds[i]->buffers;
+			bytes[slot] += s->kinds[i]->bytes;
+		}
+	}
+
+	if (tty)
+		fputs("\033[H\033[2J", stdout); /* home, clear */
+	fmt_duration(s->uptime_ms, up, sizeof(up));
+	fputs("bufbroker top - bufbrokerd ", stdout);
+	put_text(s->server_version);
+	printf(", pid %" PRIu32 ", up %s\n", s->pid, up);
+	printf("connections %" PRIu32 ", live tokens %" PRIu64 ", parked waits %" PRIu64 "\n",
+	       s->connections, s->tokens, s->waits);
+	fmt_size(bytes[0], a, sizeof(a));
+	fmt_size(bytes[1], b, sizeof(b));
+	printf("host %" PRIu64 " buffers, %s; cuda %" PRIu64 " buffers, %s\n", buffers[0], a,
+	       buffers[1], b);
+	if (s->cuda && *s->cuda) {
+		fputs("cuda unavailable: ", stdout);
+		put_text(s->cuda);
+		putchar('\n');
+	} else {
+		for (i = 0; i < s->n_devices; i++) {
+			const Bufbroker__DeviceInfo *dv = s->devices[i];
+
+			fmt_size(dv->used_bytes, a, sizeof(a));
+			fmt_size(dv->reserved_bytes, b, sizeof(b));
+			fmt_size(dv->limit_bytes, d, sizeof(d));
+			fmt_size(dv->free_bytes, e, sizeof(e));
+			printf("device %" PRId32 " ", dv->ordinal);
+			put_text(dv->name);
+			printf(": %s in buffers, %s reserved, limit %s, %s free\n", a, b, d, e);
+		}
+		header += s->n_devices ? s->n_devices - 1 : 0;
+		if (!s->n_devices)
+			puts("cuda devices: none");
+	}
+	limit = top_table_rows(tty, header);
+
+	if (cp.nrows > 1)
+		qsort(cp.rows, cp.nrows, sizeof(*cp.rows), by_bytes_held);
+	printf("\nCLIENTS: %zu, busiest first\n", cp.nrows);
+	err = clients_table(cp.rows, cp.nrows < limit ? cp.nrows : limit);
+
+	if (!err) {
+		size_t n = lp.nrows < limit ? lp.nrows : limit, width[NCOLS];
+		struct ls_row *rows = calloc(n ? n : 1, sizeof(*rows));
+		const char *cells[NCOLS];
+
+		if (!rows) {
+			fputs("bufbroker: out of memory\n", stderr);
+			err = EXIT_DAEMON;
+		} else {
+			if (lp.nrows > 1)
+				qsort(lp.rows, lp.nrows, sizeof(*lp.rows), by_size);
+			printf("\nBUFFERS: %zu, largest first\n", lp.nrows);
+			for (int k = 0; k < NCOLS; k++)
+				width[k] = text_width(col_title[k]);
+			for (i = 0; i < n; i++) {
+				ls_row_fill(lp.rows[i], &rows[i]);
+				for (int k = 0; k < NCOLS; k++) {
+					size_t w = text_width(k == COL_NAME ? rows[i].name
+									    : rows[i].cell[k]);
+					if (w > width[k])
+						width[k] = w;
+				}
+			}
+			ls_print_row(col_title, width);
+			for (i = 0; i < n; i++) {
+				for (int k = 0; k < NCOLS; k++)
+					cells[k] = k == COL_NAME ? rows[i].name : rows[i].cell[k];
+				ls_print_row(cells, width);
+			}
+			free(rows);
+		}
+	}
+	bbc_response_free(r);
+	clients_pages_free(&cp);
+	ls_pages_free(&lp);
+	return err;
+}
+
+/* Wait up to ms for the next frame; false when top should end (q, a
+ * signal). */
+static bool top_pause(int ms)
+{
+	struct pollfd pfd = {.fd = STDIN_FILENO, .events = POLLIN};
+	int64_t left = ms;
+
+	while (left > 0 && !g_top_stop) {
+		struct timespec t0, t1;
+		int n;
+
+		clock_gettime(CLOCK_MONOTONIC, &t0);
+		n = poll(g_tty_raw ? &pfd : NULL, g_tty_raw ? 1 : 0, (int)left);
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+		left -= (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+		if (n > 0) {
+			char ch[16];
+			ssize_t got = read(STDIN_FILENO, ch, sizeof(ch));
+
+			for (ssize_t i = 0; i < got; i++)
+				if (ch[i] == 'q' || ch[i] == 'Q')
+					return false;
+			if (got == 0)
+				pfd.fd = -1; /* end of input: keep the pace, stop polling it */
+		}
+	}
+	return !g_top_stop;
+}
+
+static int cmd_top(bb_client *c, unsigned long frames)
+{
+	struct sigaction sa = {.sa_handler = top_on_signal}, old_int, old_term, old_hup;
+	struct sigaction ign = {.sa_handler = SIG_IGN}, old_pipe;
+	bool tty = isatty(STDOUT_FILENO);
+	unsigned long n = 0;
+	int rc = 0;
+
+	/* No SA_RESTART: a signal ends the pause at once. */
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGINT, &sa, &old_int);
+	sigaction(SIGTERM, &sa, &old_term);
+	sigaction(SIGHUP, &sa, &old_hup);
+	/* A closed stdout ends top through ferror, with the terminal restored. */
+	sigaction(SIGPIPE, &ign, &old_pipe);
+	static char outbuf[1 << 16];
+	setvbuf(stdout, outbuf, _IOFBF, sizeof(outbuf)); /* draw each frame at once */
+	top_tty_setup();
+	if (tty) {
+		fputs("\033[?25l", stdout);
+		g_cursor_hidden = true;
+	}
+
+	while (!g_top_stop) {
+		rc = top_frame(c, tty);
+		if (fflush(stdout) != 0 || ferror(stdout))
+			break;
+		if (rc || (frames && ++n >= frames) || !top_pause(1000))
+			break;
+	}
+	if (g_top_stop)
+		rc = 0; /* Ctrl-C is how top is meant to end */
+	top_restore();
+	sigaction(SIGINT, &old_int, NULL);
+	sigaction(SIGTERM, &old_term, NULL);
+	sigaction(SIGHUP, &old_hup, NULL);
+	sigaction(SIGPIPE, &old_pipe, NULL);
+	return rc;
+}
+
 /* ---- main ------------------------------------------------------------- */
 
 static bool all_digits(const char *s)
@@ -629,7 +1202,16 @@ static bool all_digits(const char *s)
 /* Parse argv into cli. 0, or an exit status (help and version print here). */
 static int parse_args(int argc, char **argv, struct cli *cli)
 {
-	enum { OPT_SOCKET = 256, OPT_JSON, OPT_VERSION, OPT_ID, OPT_NAME };
+	enum {
+		OPT_SOCKET = 256,
+		OPT_JSON,
+		OPT_VERSION,
+		OPT_ID,
+		OPT_NAME,
+		OPT_UID,
+		OPT_STATE,
+		OPT_KIND
+	};
 	static const struct option longopts[] = {
 		{"socket", required_argument, NULL, OPT_SOCKET},
 		{"json", no_argument, NULL, OPT_JSON},
@@ -637,18 +1219,25 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 		{"help", no_argument, NULL, 'h'},
 		{"id", required_argument, NULL, OPT_ID},
 		{"name", required_argument, NULL, OPT_NAME},
+		{"uid", required_argument, NULL, OPT_UID},
+		{"state", required_argument, NULL, OPT_STATE},
+		{"kind", required_argument, NULL, OPT_KIND},
 		{NULL, 0, NULL, 0},
 	};
 	int opt;
 
 	opterr = 0; /* our own messages, without getopt's argv[0] prefix */
 	/* Options may come before or after the command. */
-	while ((opt = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+	while ((opt = getopt_long(argc, argv, ":hn:", longopts, NULL)) != -1) {
 		switch (opt) {
 		case OPT_SOCKET: cli->socket = optarg; break;
 		case OPT_JSON: cli->json = true; break;
 		case OPT_ID: cli->id_arg = optarg; break;
 		case OPT_NAME: cli->name_arg = optarg; break;
+		case OPT_UID: cli->uid_arg = optarg; break;
+		case OPT_STATE: cli->state_arg = optarg; break;
+		case OPT_KIND: cli->kind_arg = optarg; break;
+		case 'n': cli->count_arg = optarg; break;
 		case 'h': usage(stdout); return -1;
 		case OPT_VERSION:
 			printf("bufbroker %s (protocol %d.%d)\n", BB_VERSION_STRING, BB_PROTO_MAJOR,
@@ -670,12 +1259,79 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 	if (optind < argc)
 		return usage_error("unexpected argument '%s'", argv[optind]);
 
-	if (strcmp(cli->command, "stat") != 0) {
+	bool is_stat = strcmp(cli->command, "stat") == 0, is_ls = strcmp(cli->command, "ls") == 0;
+	if (!is_stat) {
 		if (cli->target)
 			return usage_error("unexpected argument '%s'", cli->target);
-		if (cli->id_arg || cli->name_arg)
-			return usage_error("--id and --name belong to 'stat'");
+		if (cli->id_arg || (cli->name_arg && !is_ls))
+			return usage_error("--id and --name belong to 'stat'%s",
+					   cli->id_arg ? "" : " and 'ls'");
 	}
+	if (!is_ls && (cli->uid_arg || cli->state_arg || cli->kind_arg))
+		return usage_error("--uid, --state and --kind belong to 'ls'");
+	if (strcmp(cli->command, "top") == 0) {
+		if (cli->json)
+			return usage_error("'top' has no --json form; use status, clients and ls");
+	} else if (cli->count_arg) {
+		return usage_error("-n belongs to 'top'");
+	}
+	return 0;
+}
+
+/* ls's filters from the command line. 0 or EXIT_USAGE. */
+static int ls_filter_parse(const struct cli *cli, struct ls_filter *f)
+{
+	f->has_uid = false;
+	f->glob = cli->name_arg;
+	f->state = -1;
+	f->kind = -1;
+	if (cli->uid_arg) {
+		const struct passwd *pw;
+
+		f->has_uid = true;
+		if (all_digits(cli->uid_arg)) {
+			errno = 0;
+			unsigned long long v = strtoull(cli->uid_arg, NULL, 10);
+			if (errno == ERANGE || v > UINT32_MAX)
+				return usage_error("uid '%s' is out of range", cli->uid_arg);
+			f->uid = (uint32_t)v;
+		} else if ((pw = getpwnam(cli->uid_arg)) != NULL) {
+			f->uid = (uint32_t)pw->pw_uid;
+		} else {
+			return usage_error("'%s' is neither a uid nor a user name", cli->uid_arg);
+		}
+	}
+	if (cli->state_arg) {
+		static const char *const names[] = {"pending", "ready", "failed"};
+		for (int i = 0; i < 3; i++)
+			if (strcmp(cli->state_arg, names[i]) == 0)
+				f->state = i; /* STATE_PENDING 0, READY 1, FAILED 2 */
+		if (f->state < 0)
+			return usage_error("--state is pending, ready or failed, not '%s'",
+					   cli->state_arg);
+	}
+	if (cli->kind_arg) {
+		if (strcmp(cli->kind_arg, "host") == 0)
+			f->kind = BUFBROKER__KIND__KIND_HOST;
+		else if (strcmp(cli->kind_arg, "cuda") == 0)
+			f->kind = BUFBROKER__KIND__KIND_CUDA;
+		else
+			return usage_error("--kind is host or cuda, not '%s'", cli->kind_arg);
+	}
+	return 0;
+}
+
+/* top -n: frames to draw, 0 for no end. 0 or EXIT_USAGE. */
+static int top_frames_parse(const struct cli *cli, unsigned long *frames)
+{
+	*frames = 0;
+	if (!cli->count_arg)
+		return 0;
+	errno = 0;
+	if (!all_digits(cli->count_arg) || (*frames = strtoul(cli->count_arg, NULL, 10)) == 0 ||
+	    errno == ERANGE)
+		return usage_error("-n takes a number of frames, 1 or more, not '%s'",
+				   cli->count_arg);
 	return 0;
 }
 
@@ -710,9 +1366,11 @@ static int stat_target(const struct cli *cli, uint64_t *id, const char **name)
 int main(int argc, char **argv)
 {
 	struct cli cli = {0};
+	struct ls_filter filter = {.state = -1, .kind = -1};
 	bb_client *c;
 	const char *name = NULL;
 	uint64_t id = 0;
+	unsigned long frames = 0;
 	int rc, err;
 
 	rc = parse_args(argc, argv, &cli);
@@ -722,13 +1380,17 @@ int main(int argc, char **argv)
 		usage(stdout);
 		return 0;
 	}
-	if (strcmp(cli.command, "stat") == 0) {
+	if (strcmp(cli.command, "stat") == 0)
 		rc = stat_target(&cli, &id, &name);
-		if (rc)
-			return rc;
-	} else if (strcmp(cli.command, "status") != 0 && strcmp(cli.command, "ls") != 0) {
+	else if (strcmp(cli.command, "ls") == 0)
+		rc = ls_filter_parse(&cli, &filter);
+	else if (strcmp(cli.command, "top") == 0)
+		rc = top_frames_parse(&cli, &frames);
+	else if (strcmp(cli.command, "status") != 0 && strcmp(cli.command, "clients") != 0 &&
+		 strcmp(cli.command, "check") != 0)
 		return usage_error("unknown command '%s'", cli.command);
-	}
+	if (rc)
+		return rc;
 
 	err = bb_connect(cli.socket, &c);
 	if (err)
@@ -736,7 +1398,13 @@ int main(int argc, char **argv)
 	if (strcmp(cli.command, "status") == 0)
 		rc = cmd_status(c, cli.json);
 	else if (strcmp(cli.command, "ls") == 0)
-		rc = cmd_ls(c, cli.json);
+		rc = cmd_ls(c, cli.json, &filter);
+	else if (strcmp(cli.command, "clients") == 0)
+		rc = cmd_clients(c, cli.json);
+	else if (strcmp(cli.command, "top") == 0)
+		rc = cmd_top(c, frames);
+	else if (strcmp(cli.command, "check") == 0)
+		rc = cmd_check(c, cli.json);
 	else
 		rc = cmd_stat(c, cli.json, id, name);
 	bb_disconnect(c);

@@ -8,7 +8,13 @@
 set -euo pipefail
 
 DIR=$(mktemp -d /tmp/bbt-install-XXXXXX)
-PREFIX=$DIR/prefix
+# DESTDIR staging, as a distribution package does: every file lands under
+# $DIR (a rule with an absolute path, such as the config under /etc, too),
+# so the test never writes outside its directory. The .pc file and the
+# CMake package find their prefix from where they lie.
+STAGE=$DIR/stage
+configured=$(sed -n 's/^CMAKE_INSTALL_PREFIX:PATH=//p' "$BB_BUILD_DIR/CMakeCache.txt")
+PREFIX=$STAGE$configured
 DPID=
 cleanup() {
 	if [[ -n $DPID ]] && kill -0 "$DPID" 2>/dev/null; then
@@ -23,11 +29,12 @@ fail() {
 	exit 1
 }
 
-cmake --install "$BB_BUILD_DIR" --prefix "$PREFIX" >"$DIR/install.log" 2>&1 ||
+DESTDIR=$STAGE cmake --install "$BB_BUILD_DIR" >"$DIR/install.log" 2>&1 ||
 	{ cat "$DIR/install.log" >&2; fail "cmake --install"; }
 for f in include/bufbroker/bufbroker.h sbin/bufbrokerd bin/bufbroker; do
 	[[ -e $PREFIX/$f ]] || fail "$f was not installed"
 done
+find "$STAGE" -name bufbrokerd.conf | grep -q . || fail "the example config was not installed"
 pcdir=$(dirname "$(find "$PREFIX" -name bufbroker.pc | head -n1)")
 [[ -n $pcdir ]] || fail "bufbroker.pc was not installed"
 libdir=$(dirname "$pcdir")

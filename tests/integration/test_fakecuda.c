@@ -933,7 +933,10 @@ Test(fakecuda, hooks_name_the_devices_of_memory_and_of_the_opening_context)
 	cr_assert_eq(ptrdev(q, u), 0);
 	cr_assert(memcmp(u, phys1, 16) == 0, "allocated in device 1's context");
 	cr_assert_eq(ctxdev(q, u), -1, "an allocation was not opened from a handle");
-	cr_assert_eq(ptrdev(q + 4096, u), -1, "one past the end");
+	/* mmap may place the allocation right below the opened mapping, so
+	 * one past its end can be p itself; anywhere else it is no memory. */
+	if (q + 4096 != p)
+		cr_assert_eq(ptrdev(q + 4096, u), -1, "one past the end");
 	CU_OK(&api, api.IpcCloseMemHandle(p));
 	cr_assert_eq(ptrdev(p, u), -1, "closed");
 	CU_OK(&api, api.MemFree(q));

@@ -1,0 +1,610 @@
+/*
+ * Metrics: the loop thread's counters, the Prometheus text rendering of
+ * them and of the broker's state, and the HTTP endpoint (libmicrohttpd) that
+ * serves it. The broker is not thread-safe, so the HTTP thread never reads
+ * it: a scrape asks the loop thread to render a snapshot and waits for it.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <microhttpd.h>
+#include <utlist.h>
+
+#include "cuda_api.h"
+#include "log.h"
+#include "metrics.h"
+#include "server.h"
+#include "wire.h"
+
+#define CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
+#define HTTP_CONNECTIONS_MAX 32 /* concurrent scrapers; more wait in the backlog */
+#define HTTP_TIMEOUT_S 10       /* an idle HTTP connection is closed after this */
+#define DEVICES_MAX 64
+
+/* Latency bucket bounds, in ns and as the le label writes them. */
+static const uint64_t bucket_ns[METRICS_BUCKETS] = {
+	5000,    10000,    25000,    50000,    100000,    250000,    500000,    1000000,    2500000,
+	5000000, 10000000, 25000000, 50000000, 100000000, 250000000, 500000000, 1000000000,
+};
+static const char *bucket_le[METRICS_BUCKETS + 1] = {
+	"5e-06", "1e-05", "2.5e-05", "5e-05", "0.0001", "0.00025", "0.0005", "0.001", "0.0025",
+	"0.005", "0.01",  "0.025",   "0.05",  "0.1",    "0.25",    "0.5",    "1",     "+Inf",
+};
+
+/* ---- counters (loop thread) ---------------------------------------------------- */
+
+static int op_index(int op)
+{
+	return op > 0 && op < METRICS_OPS ? op : 0;
+}
+
+void metrics_handled(metrics_counters *mc, int op, uint64_t ns)
+{
+	int i = op_index(op), b = 0;
+	while (b < METRICS_BUCKETS && ns > bucket_ns[b])
+		b++;
+	mc->latency[i][b]++;
+	mc->latency_ns[i] += ns;
+}
+
+void metrics_answered(metrics_counters *mc, int op, int status)
+{
+	int s = status <= 0 && -status < METRICS_STATUSES - 1 ? -status : METRICS_STATUSES - 1;
+	mc->requests[op_index(op)][s]++;
+}
+
+void metrics_refused(metrics_counters *mc, metrics_limit limit)
+{
+	if ((unsigned)limit < METRICS_LIMIT_COUNT)
+		mc->refused[limit]++;
+}
+
+/* ---- rendering (loop thread) ----------------------------------------------------- */
+
+/* An op's name as the protocol spells it ("alloc", "import_fd", ...): the
+ * Request field of that number, so ops added to the schema name themselves. */
+static const char *op_label(int op, char *buf, size_t len)
+{
+	const ProtobufCFieldDescriptor *f =
+		op > 0 ? protobuf_c_message_descriptor_get_field(&bufbroker__request__descriptor,
+								 (unsigned)op)
+		       : NULL;
+	if (op == 0)
+		return "unknown";
+	if (f)
+		return f->name;
+	snprintf(buf, len, "op_%d", op);
+	return buf;
+}
+
+static const char *status_label(int i)
+{
+	return i < METRICS_STATUSES - 1 ? handler_status_name(-i) : "OTHER";
+}
+
+/* A label value, escaped as the exposition format wants. */
+static void put_value(FILE *f, const char *v)
+{
+	for (; *v; v++) {
+		if (*v == '\\')
+			fputs("\\\\", f);
+		else if (*v == '"')
+			fputs("\\\"", f);
+		else if (*v == '\n')
+			fputs("\\n", f);
+		else
+			fputc(*v, f);
+	}
+}
+
+/* HELP and TYPE lines of a metric family. */
+static void family(FILE *f, const char *name, const char *type, const char *help)
+{
+	fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static const char *kind_label(int kind)
+{
+	return kind == BB_HOST ? "host" : "cuda";
+}
+
+typedef struct uid_ctx {
+	FILE *f;
+	bool bytes; /* bufbroker_uid_bytes, else bufbroker_uid_buffers */
+} uid_ctx;
+
+static void uid_row(uint32_t uid, uint64_t buffers, const uint64_t bytes[BROKER_KINDS], void *arg)
+{
+	uid_ctx *u = arg;
+	if (!u->bytes) {
+		fprintf(u->f, "bufbroker_uid_buffers{uid=\"%" PRIu32 "\"} %" PRIu64 "\n", uid,
+			buffers);
+		return;
+	}
+	for (int k = BB_HOST; k <= BB_CUDA; k++)
+		fprintf(u->f, "bufbroker_uid_bytes{uid=\"%" PRIu32 "\",kind=\"%s\"} %" PRIu64 "\n",
+			uid, kind_label(k), bytes[k]);
+}
+
+/* The per-device gauges. */
+typedef enum dev_field { DEV_TOTAL, DEV_FREE, DEV_USED, DEV_RESERVED, DEV_LIMIT } dev_field;
+
+static unsigned long long dev_value(const backend_device *d, dev_field field)
+{
+	switch (field) {
+	case DEV_TOTAL: return d->total;
+	case DEV_FREE: return d->free;
+	case DEV_USED: return d->used;
+	case DEV_RESERVED: return d->reserved;
+	default: return d->limit;
+	}
+}
+
+/* One device gauge family. */
+static void device_family(FILE *f, const backend_device *devs, int n, const char *name,
+			  const char *help, dev_field field)
+{
+	char uuid[48];
+	family(f, name, "gauge", help);
+	for (int i = 0; i < n; i++) {
+		bb_cuda_uuid_format(devs[i].uuid, uuid);
+		fprintf(f, "%s{device=\"%d\",uuid=\"", name, devs[i].ordinal);
+		put_value(f, uuid);
+		fprintf(f, "\"} %llu\n", dev_value(&devs[i], field));
+	}
+}
+
+static void render_requests(FILE *f, const metrics_counters *mc)
+{
+	char buf[24];
+	family(f, "bufbroker_requests_total", "counter",
+	       "Requests answered, by op and by the status of the answer.");
+	for (int op = 0; op < METRICS_OPS; op++)
+		for (int st = 0; st < METRICS_STATUSES; st++) {
+			if (!mc->requests[op][st])
+				continue;
+			fprintf(f, "bufbroker_requests_total{op=\"");
+			put_value(f, op_label(op, buf, sizeof(buf)));
+			fprintf(f, "\",status=\"%s\"} %" PRIu64 "\n", status_label(st),
+				mc->requests[op][st]);
+		}
+
+	family(f, "bufbroker_request_duration_seconds", "histogram",
+	       "Time the daemon spent handling a request, by op (a parked one: until it parked).");
+	for (int op = 0; op < METRICS_OPS; op++) {
+		uint64_t count = 0;
+		for (int b = 0; b <= METRICS_BUCKETS; b++)
+			count += mc->latency[op][b];
+		if (!count)
+			continue;
+		const char *name = op_label(op, buf, sizeof(buf));
+		uint64_t cum = 0;
+		for (int b = 0; b <= METRICS_BUCKETS; b++) {
+			cum += mc->latency[op][b];
+			fprintf(f, "bufbroker_request_duration_seconds_bucket{op=\"");
+			put_value(f, name);
+			fprintf(f, "\",le=\"%s\"} %" PRIu64 "\n", bucket_le[b], cum);
+		}
+		fprintf(f, "bufbroker_request_duration_seconds_sum{op=\"");
+		put_value(f, name);
+		fprintf(f, "\"} %.9f\n", (double)mc->latency_ns[op] / 1e9);
+		fprintf(f, "bufbroker_request_duration_seconds_count{op=\"");
+		put_value(f, name);
+		fprintf(f, "\"} %" PRIu64 "\n", count);
+	}
+}
+
+/* The whole exposition, malloc'ed into *out (*len bytes). 0 or -1. */
+static int render(server *s, char **out, size_t *len)
+{
+	broker_totals t;
+	backend_device devs[DEVICES_MAX];
+	FILE *f = open_memstream(out, len);
+	if (!f)
+		return -1;
+	broker_totals_get(s->b, &t);
+	int ndev = s->cuda && s->cuda->devices ? s->cuda->devices(s->cuda, devs, DEVICES_MAX) : 0;
+
+	family(f, "bufbroker_build_info", "gauge", "The daemon's version and protocol; always 1.");
+	fprintf(f, "bufbroker_build_info{version=\"");
+	put_value(f, BB_VERSION_STRING);
+	fprintf(f, "\",protocol=\"%d.%d\"} 1\n", BB_PROTO_MAJOR, BB_PROTO_MINOR);
+	family(f, "bufbroker_uptime_seconds", "gauge", "Seconds since the daemon started serving.");
+	fprintf(f, "bufbroker_uptime_seconds %.3f\n",
+		(double)(uv_now(s->loop) - s->started_ms) / 1000.0);
+
+	family(f, "bufbroker_connections", "gauge", "Open client connections.");
+	fprintf(f, "bufbroker_connections %" PRIu32 "\n", t.connections);
+	family(f, "bufbroker_buffers", "gauge", "Live buffers, by kind.");
+	for (int k = BB_HOST; k <= BB_CUDA; k++)
+		fprintf(f, "bufbroker_buffers{kind=\"%s\"} %" PRIu64 "\n", kind_label(k),
+			t.buffers[k]);
+	family(f, "bufbroker_buffer_bytes", "gauge",
+	       "Bytes of live buffers (their sizes), by kind.");
+	for (int k = BB_HOST; k <= BB_CUDA; k++)
+		fprintf(f, "bufbroker_buffer_bytes{kind=\"%s\"} %" PRIu64 "\n", kind_label(k),
+			t.bytes[k]);
+	family(f, "bufbroker_tokens", "gauge", "Live tokens (taken, not yet adopted or expired).");
+	fprintf(f, "bufbroker_tokens %" PRIu64 "\n", t.tokens);
+	family(f, "bufbroker_parked_waits", "gauge", "Wait requests parked on pending buffers.");
+	fprintf(f, "bufbroker_parked_waits %" PRIu64 "\n", t.waits);
+	size_t parked = 0;
+	const parked_alloc *pa;
+	DL_COUNT(s->allocs, pa, parked);
+	family(f, "bufbroker_parked_allocs", "gauge",
+	       "Alloc requests waiting for the backend to make device memory.");
+	fprintf(f, "bufbroker_parked_allocs %zu\n", parked);
+
+	uid_ctx u = {.f = f, .bytes = false};
+	family(f, "bufbroker_uid_buffers", "gauge", "Live buffers, by owner uid.");
+	broker_uid_usage(s->b, uid_row, &u);
+	u.bytes = true;
+	family(f, "bufbroker_uid_bytes", "gauge", "Bytes of live buffers, by owner uid and kind.");
+	broker_uid_usage(s->b, uid_row, &u);
+
+	device_family(f, devs, ndev, "bufbroker_device_total_bytes", "The device's memory.",
+		      DEV_TOTAL);
+	device_family(f, devs, ndev, "bufbroker_device_free_bytes",
+		      "Free device memory, as the driver reports it (all processes).", DEV_FREE);
+	device_family(f, devs, ndev, "bufbroker_device_buffer_bytes",
+		      "Bytes of live CUDA buffers on the device.", DEV_USED);
+	device_family(f, devs, ndev, "bufbroker_device_reserved_bytes",
+		      "Device memory the daemon holds from the driver: slabs (used and cached), "
+		      "dedicated allocations, allocations in progress.",
+		      DEV_RESERVED);
+	device_family(f, devs, ndev, "bufbroker_device_limit_bytes",
+		      "The most device memory the daemon may hold (--cuda-device-bytes).",
+		      DEV_LIMIT);
+
+	render_requests(f, &s->counters);
+
+	family(f, "bufbroker_refused_total", "counter",
+	       "Requests (and connections) refused by a limit, by limit.");
+	for (int l = 0; l < BROKER_LIMIT_COUNT; l++)
+		fprintf(f, "bufbroker_refused_total{limit=\"%s\"} %" PRIu64 "\n",
+			broker_limit_name((broker_limit)l), t.refused[l]);
+	unsigned long long device_refused = 0;
+	for (int i = 0; i < ndev; i++)
+		device_refused += devs[i].refused;
+	fprintf(f, "bufbroker_refused_total{limit=\"device_bytes\"} %llu\n", device_refused);
+	fprintf(f, "bufbroker_refused_total{limit=\"queue_bytes\"} %" PRIu64 "\n",
+		s->counters.refused[METRICS_LIMIT_QUEUE_BYTES]);
+	fprintf(f, "bufbroker_refused_total{limit=\"parked_allocs\"} %" PRIu64 "\n",
+		s->counters.refused[METRICS_LIMIT_PARKED_ALLOCS]);
+
+	if (ferror(f)) {
+		fclose(f);
+		free(*out);
+		*out = NULL;
+		return -1;
+	}
+	return fclose(f) == 0 ? 0 : -1;
+}
+
+/* ---- the endpoint ------------------------------------------------------------------- */
+
+struct metrics_endpoint {
+	server *s;              /* read on the loop thread only */
+	struct MHD_Daemon *mhd; /* the HTTP server and its thread */
+	uv_async_t async;       /* a scrape asks the loop for a snapshot */
+	char addr[64];          /* what it listens on, for logs */
+	pthread_mutex_t mu;     /* guards what follows */
+	pthread_cond_t cv;      /* a snapshot is ready, or stopping */
+	uint64_t asked;         /* snapshots asked for (HTTP thread) */
+	uint64_t answered;      /* the last one rendered (loop thread) */
+	char *text;             /* that snapshot, or NULL */
+	size_t len;             /* its bytes */
+	bool stopping;          /* metrics_stop began: answer 503 */
+};
+
+/* Loop thread: render what was asked for. */
+static void on_async(uv_async_t *h)
+{
+	metrics_endpoint *ep = h->data;
+	char *text = NULL;
+	size_t len = 0;
+	pthread_mutex_lock(&ep->mu);
+	uint64_t want = ep->asked;
+	bool done = ep->answered == want;
+	pthread_mutex_unlock(&ep->mu);
+	if (done)
+		return;
+	if (render(ep->s, &text, &len) < 0)
+		log_warn("event=metrics_render_failed error=\"out of memory\"");
+	pthread_mutex_lock(&ep->mu);
+	free(ep->text);
+	ep->text = text;
+	ep->len = len;
+	ep->answered = want;
+	pthread_cond_broadcast(&ep->cv);
+	pthread_mutex_unlock(&ep->mu);
+}
+
+/* HTTP thread: a copy of a snapshot rendered after this call began, or NULL
+ * when the loop did not answer in time (or the endpoint is stopping). */
+static char *snapshot(metrics_endpoint *ep, size_t *len)
+{
+	struct timespec deadline;
+	char *copy = NULL;
+	int rc = 0;
+	clock_gettime(CLOCK_MONOTONIC, &deadline);
+	deadline.tv_sec += METRICS_SCRAPE_TIMEOUT_MS / 1000;
+	deadline.tv_nsec += (long)(METRICS_SCRAPE_TIMEOUT_MS % 1000) * 1000000L;
+	if (deadline.tv_nsec >= 1000000000L) {
+		deadline.tv_sec++;
+		deadline.tv_nsec -= 1000000000L;
+	}
+	pthread_mutex_lock(&ep->mu);
+	uint64_t want = ++ep->asked;
+	/* The handle stays open until metrics_stop has joined this thread. */
+	uv_async_send(&ep->async);
+	while (ep->answered < want && !ep->stopping && rc != ETIMEDOUT)
+		rc = pthread_cond_timedwait(&ep->cv, &ep->mu, &deadline);
+	if (ep->answered >= want && ep->text && (copy = malloc(ep->len))) {
+		memcpy(copy, ep->text, ep->len);
+		*len = ep->len;
+	}
+	pthread_mutex_unlock(&ep->mu);
+	return copy;
+}
+
+/* Queue a response; body is static text, or malloc'ed when owned. */
+static enum MHD_Result respond(struct MHD_Connection *mc, unsigned int status, const char *body,
+			       size_t len, bool owned)
+{
+	struct MHD_Response *r = MHD_create_response_from_buffer(
+		len, (void *)body, owned ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
+	if (!r) {
+		if (owned)
+			free((void *)body);
+		return MHD_NO;
+	}
+	MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE,
+				status == MHD_HTTP_OK ? CONTENT_TYPE : "text/plain; charset=utf-8");
+	if (status == MHD_HTTP_METHOD_NOT_ALLOWED)
+		MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, "GET, HEAD");
+	enum MHD_Result ret = MHD_queue_response(mc, status, r);
+	MHD_destroy_response(r);
+	return ret;
+}
+
+#define STATIC_BODY(s) s, sizeof(s) - 1, false
+
+static enum MHD_Result on_http(void *cls, struct MHD_Connection *mc, const char *url,
+			       const char *method, const char *version, const char *upload_data,
+			       size_t *upload_data_size, void **req_cls)
+{
+	static int headers_seen;
+	metrics_endpoint *ep = cls;
+	(void)version;
+	(void)upload_data;
+	/* The first call has the headers only; answer on the next. */
+	if (!*req_cls) {
+		*req_cls = &headers_seen;
+		return MHD_YES;
+	}
+	if (*upload_data_size) {
+		*upload_data_size = 0; /* a body is ignored */
+		return MHD_YES;
+	}
+	if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
+		return respond(mc, MHD_HTTP_METHOD_NOT_ALLOWED,
+			       STATIC_BODY("only GET and HEAD are served\n"));
+	if (strcmp(url, "/metrics") != 0)
+		return respond(mc, MHD_HTTP_NOT_FOUND,
+			       STATIC_BODY("not found: the metrics are at /metrics\n"));
+	size_t len = 0;
+	char *text = snapshot(ep, &len);
+	if (!text)
+		return respond(mc, MHD_HTTP_SERVICE_UNAVAILABLE,
+			       STATIC_BODY("the daemon's event loop did not answer within 2 s\n"));
+	return respond(mc, MHD_HTTP_OK, text, len, true);
+}
+
+/* libmicrohttpd's own messages, as log lines. */
+static void on_mhd_log(void *cls, const char *fmt, va_list ap)
+{
+	char msg[256];
+	(void)cls;
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	msg[strcspn(msg, "\r\n")] = '\0';
+	for (char *p = msg; *p; p++)
+		if (*p == '"' || *p == '\\')
+			*p = '\'';
+	log_warn("event=metrics_http_error error=\"%s\"", msg);
+}
+
+/* Parse "IPV4:PORT", "[IPV6]:PORT" or "localhost:PORT". 0, or -1 with why. */
+static int parse_listen(const char *spec, struct sockaddr_storage *ss, socklen_t *sslen, char *why,
+			size_t whylen)
+{
+	char host[64];
+	const char *port;
+	memset(ss, 0, sizeof(*ss));
+	if (spec[0] == '[') {
+		const char *end = strchr(spec, ']');
+		if (!end || end[1] != ':' || (size_t)(end - spec - 1) >= sizeof(host)) {
+			snprintf(why, whylen, "expected [IPV6]:PORT");
+			return -1;
+		}
+		snprintf(host, sizeof(host), "%.*s", (int)(end - spec - 1), spec + 1);
+		port = end + 2;
+	} else {
+		const char *colon = strrchr(spec, ':');
+		if (!colon || colon == spec || (size_t)(colon - spec) >= sizeof(host)) {
+			snprintf(why, whylen, "expected HOST:PORT, e.g. 127.0.0.1:9464");
+			return -1;
+		}
+		snprintf(host, sizeof(host), "%.*s", (int)(colon - spec), spec);
+		port = colon + 1;
+		if (strchr(host, ':')) {
+			snprintf(why, whylen, "put an IPv6 address in brackets: [%s]:PORT", host);
+			return -1;
+		}
+		if (strcmp(host, "localhost") == 0)
+			snprintf(host, sizeof(host), "127.0.0.1");
+	}
+	char *end;
+	errno = 0;
+	unsigned long p = strtoul(port, &end, 10);
+	if (!port[0] || *end || errno || p > 65535 || port[0] == '-' || port[0] == '+') {
+		snprintf(why, whylen, "\"%s\" is not a port number (0 to 65535)", port);
+		return -1;
+	}
+	struct sockaddr_in *v4 = (struct sockaddr_in *)ss;
+	struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)ss;
+	if (spec[0] != '[' && inet_pton(AF_INET, host, &v4->sin_addr) == 1) {
+		v4->sin_family = AF_INET;
+		v4->sin_port = htons((uint16_t)p);
+		*sslen = sizeof(*v4);
+		return 0;
+	}
+	if (spec[0] == '[' && inet_pton(AF_INET6, host, &v6->sin6_addr) == 1) {
+		v6->sin6_family = AF_INET6;
+		v6->sin6_port = htons((uint16_t)p);
+		*sslen = sizeof(*v6);
+		return 0;
+	}
+	snprintf(why, whylen, "\"%s\" is not an IPv%d address (no name lookup is done)", host,
+		 spec[0] == '[' ? 6 : 4);
+	return -1;
+}
+
+/* A listening TCP socket on spec, its address as bound written into addr.
+ * The fd, or -1 with why. */
+static int listen_tcp(const char *spec, char *addr, size_t addrlen, char *why, size_t whylen)
+{
+	struct sockaddr_storage ss;
+	socklen_t sslen;
+	if (parse_listen(spec, &ss, &sslen, why, whylen) < 0)
+		return -1;
+	int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0) {
+		snprintf(why, whylen, "socket: %s", strerror(errno));
+		return -1;
+	}
+	int one = 1;
+	setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+	if (ss.ss_family == AF_INET6)
+		setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+	if (bind(fd, (struct sockaddr *)&ss, sslen) < 0) {
+		snprintf(why, whylen, "bind: %s", strerror(errno));
+		close(fd);
+		return -1;
+	}
+	if (listen(fd, 64) < 0) {
+		snprintf(why, whylen, "listen: %s", strerror(errno));
+		close(fd);
+		return -1;
+	}
+	/* Port 0 took a free one: say which. */
+	sslen = sizeof(ss);
+	getsockname(fd, (struct sockaddr *)&ss, &sslen);
+	char ip[INET6_ADDRSTRLEN];
+	if (ss.ss_family == AF_INET6) {
+		const struct sockaddr_in6 *v6 = (const struct sockaddr_in6 *)&ss;
+		inet_ntop(AF_INET6, &v6->sin6_addr, ip, sizeof(ip));
+		snprintf(addr, addrlen, "[%s]:%u", ip, ntohs(v6->sin6_port));
+	} else {
+		const struct sockaddr_in *v4 = (const struct sockaddr_in *)&ss;
+		inet_ntop(AF_INET, &v4->sin_addr, ip, sizeof(ip));
+		snprintf(addr, addrlen, "%s:%u", ip, ntohs(v4->sin_port));
+	}
+	return fd;
+}
+
+static void endpoint_free(metrics_endpoint *ep)
+{
+	pthread_cond_destroy(&ep->cv);
+	pthread_mutex_destroy(&ep->mu);
+	free(ep->text);
+	free(ep);
+}
+
+static void on_async_closed(uv_handle_t *h)
+{
+	endpoint_free(h->data);
+}
+
+int metrics_start(server *s, const char *listen_addr)
+{
+	char why[160];
+	pthread_condattr_t ca;
+	sigset_t all, old;
+	metrics_endpoint *ep = calloc(1, sizeof(*ep));
+	if (!ep) {
+		log_error("event=metrics_failed listen=\"%s\" error=\"out of memory\"",
+			  listen_addr);
+		return -1;
+	}
+	ep->s = s;
+	pthread_mutex_init(&ep->mu, NULL);
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&ep->cv, &ca);
+	pthread_condattr_destroy(&ca);
+
+	int fd = listen_tcp(listen_addr, ep->addr, sizeof(ep->addr), why, sizeof(why));
+	if (fd < 0)
+		goto err_free;
+	if (uv_async_init(s->loop, &ep->async, on_async) < 0) {
+		snprintf(why, sizeof(why), "cannot create the loop's wake-up handle");
+		close(fd);
+		goto err_free;
+	}
+	ep->async.data = ep;
+
+	/* The HTTP thread inherits this thread's signal mask: block every
+	 * signal there, so SIGTERM and friends reach the loop. */
+	sigfillset(&all);
+	pthread_sigmask(SIG_BLOCK, &all, &old);
+	ep->mhd = MHD_start_daemon(
+		MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL, on_http, ep,
+		MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, NULL, MHD_OPTION_LISTEN_SOCKET, fd,
+		MHD_OPTION_CONNECTION_LIMIT, (unsigned int)HTTP_CONNECTIONS_MAX,
+		MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)HTTP_TIMEOUT_S, MHD_OPTION_END);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	if (!ep->mhd) {
+		/* fd is libmicrohttpd's from the call on: it closes it on
+		 * failure too. */
+		snprintf(why, sizeof(why), "libmicrohttpd could not start");
+		uv_close((uv_handle_t *)&ep->async, on_async_closed);
+		log_error("event=metrics_failed listen=\"%s\" error=\"%s\"", listen_addr, why);
+		return -1;
+	}
+	s->metrics = ep;
+	log_info("event=metrics_listening address=%s path=/metrics", ep->addr);
+	return 0;
+
+err_free:
+	endpoint_free(ep);
+	log_error("event=metrics_failed listen=\"%s\" error=\"%s\"", listen_addr, why);
+	return -1;
+}
+
+void metrics_stop(server *s)
+{
+	metrics_endpoint *ep = s->metrics;
+	if (!ep)
+		return;
+	s->metrics = NULL;
+	pthread_mutex_lock(&ep->mu);
+	ep->stopping = true;
+	pthread_cond_broadcast(&ep->cv);
+	pthread_mutex_unlock(&ep->mu);
+	/* Joins the HTTP thread and closes the listening socket. */
+	MHD_stop_daemon(ep->mhd);
+	uv_close((uv_handle_t *)&ep->async, on_async_closed);
+}

@@ -1,0 +1,66 @@
+/*
+ * The daemon's metrics: the counters the loop thread keeps as it serves
+ * (requests by op and status, their latency, refusals by limit), and an
+ * optional HTTP endpoint that serves them with the broker's gauges in the
+ * Prometheus text exposition format (docs/OPERATIONS.md, "Metrics").
+ *
+ * Threads: the counters are written and read on the loop thread only, so
+ * recording one is a few array increments and takes no lock. The endpoint
+ * runs libmicrohttpd on its own thread; a scrape asks the loop thread for a
+ * rendered snapshot (uv_async_send) and waits for it at most
+ * METRICS_SCRAPE_TIMEOUT_MS, answering 503 when the loop does not answer.
+ */
+#ifndef BB_METRICS_H
+#define BB_METRICS_H
+
+#include <stdint.h>
+
+typedef struct server server;
+typedef struct metrics_endpoint metrics_endpoint;
+
+#define METRICS_OPS 64      /* Request.op_case values counted; larger ones count as 0 */
+#define METRICS_STATUSES 14 /* BB_OK .. BB_ERR_SYSTEM (0 .. -12), then "other" */
+#define METRICS_BUCKETS 17  /* latency buckets from 5 us to 1 s, then +Inf */
+#define METRICS_SCRAPE_TIMEOUT_MS 2000
+
+/* Limits the server enforces itself; the broker counts its own
+ * (broker_totals.refused) and the CUDA backend its device limit. */
+typedef enum metrics_limit {
+	METRICS_LIMIT_QUEUE_BYTES,   /* a connection's queued output (--queue-bytes) */
+	METRICS_LIMIT_PARKED_ALLOCS, /* allocs one connection may have waiting for a device */
+	METRICS_LIMIT_COUNT
+} metrics_limit;
+
+/* What the loop thread counts; zeroed with the server. */
+typedef struct metrics_counters {
+	uint64_t requests[METRICS_OPS][METRICS_STATUSES];   /* answered, by op case and -status */
+	uint64_t latency[METRICS_OPS][METRICS_BUCKETS + 1]; /* per bucket, not cumulative */
+	uint64_t latency_ns[METRICS_OPS];                   /* sum of the latencies */
+	uint64_t refused[METRICS_LIMIT_COUNT];              /* by the server's limits */
+} metrics_counters;
+
+/* The loop spent ns handling a request of op (its Request.op_case): the
+ * latency histogram. Parked requests count the time until they parked. */
+void metrics_handled(metrics_counters *mc, int op, uint64_t ns);
+/* A request of op was answered with status (0 or BB_ERR_*), sent or not
+ * (no_reply): requests_total. A parked Wait or Alloc counts when its answer
+ * comes, or with BB_ERR_DISCONNECTED when it is dropped unanswered with its
+ * connection. */
+void metrics_answered(metrics_counters *mc, int op, int status);
+/* A server limit refused something. */
+void metrics_refused(metrics_counters *mc, metrics_limit limit);
+
+/* Serve GET /metrics on listen_addr: "IPV4:PORT", "[IPV6]:PORT" or
+ * "localhost:PORT" (an address literal: no name lookup); port 0 takes a free
+ * one. The address and port bound are logged (event=metrics_listening).
+ * Call on the loop thread after server_start. 0, or -1 with the reason
+ * logged (event=metrics_failed: a bad address, a port in use, ...); the
+ * daemon serves on without metrics only if the caller chooses to. */
+int metrics_start(server *s, const char *listen_addr);
+/* Stop the endpoint: scrapes waiting for the loop get 503 at once, the HTTP
+ * thread is joined and the listening socket closed. Call on the loop thread
+ * before server_shutdown, whose loop run frees what is left; a no-op when
+ * the endpoint is not running (server_shutdown calls it too). */
+void metrics_stop(server *s);
+
+#endif /* BB_METRICS_H */

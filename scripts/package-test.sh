@@ -1,0 +1,285 @@
+#!/usr/bin/env bash
+# The Debian packages, end to end: build them (`cpack -G DEB` in build-pkg,
+# configured with the /usr prefix), install both with dpkg, check what they
+# put where and that the bufbroker group exists, serve on a temporary socket
+# with the installed /usr/sbin/bufbrokerd, build the example producer and
+# consumer against the installed libbufbroker-dev (pkg-config, and CMake's
+# find_package) and pass a buffer between them, stop the daemon, then remove
+# and purge both packages and check that their files are gone.
+#
+# Usage: sudo ./scripts/package-test.sh
+# Build tree: build-pkg (BUFBROKER_BUILD_DIR=DIR: DIR-pkg).
+#
+# Root only (dpkg -i). It leaves the system as it found it: the packages are
+# purged and the group is deleted if this script created it, also on failure.
+# Exits 0 on success, 1 on failure, 77 (after a "SKIP" line) when it cannot
+# run here without changing the system: not root, or bufbroker packages or
+# files of another install already in place.
+set -euo pipefail
+
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$BB_ROOT"
+
+PKGS=(bufbroker libbufbroker-dev)
+BUILD="$BB_BUILD_DIR-pkg"
+
+skip()
+{
+	printf 'SKIP: package-test: %s\n' "$*"
+	exit 77
+}
+
+if [ "$(id -u)" -ne 0 ]; then
+	skip "needs root (it installs the packages with dpkg -i)"
+fi
+# A package of ours already there (a user's, or one a killed run left) is
+# not ours to replace or remove.
+for p in "${PKGS[@]}"; do
+	if [ -n "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)" ]; then
+		skip "package $p is already on this system; remove it first: dpkg --purge ${PKGS[*]}"
+	fi
+done
+
+TMP="$(mktemp -d /tmp/bb-pkgtest-XXXXXX)"
+DPID=
+GROUP_CREATED=0
+
+# Undoes whatever of the install happened; runs on every exit.
+cleanup()
+{
+	local rc=$? p
+	local -a installed=()
+	set +e
+	if [ -n "$DPID" ] && kill -0 "$DPID" 2>/dev/null; then
+		kill -KILL "$DPID" 2>/dev/null
+		wait "$DPID" 2>/dev/null
+	fi
+	for p in "${PKGS[@]}"; do
+		if [ -n "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" ]; then
+			installed+=("$p")
+		fi
+	done
+	if [ "${#installed[@]}" -gt 0 ]; then
+		bb_log "package-test: cleanup: purging ${installed[*]}"
+		dpkg --purge "${installed[@]}" >/dev/null
+	fi
+	if [ "$GROUP_CREATED" = 1 ] && getent group bufbroker >/dev/null; then
+		groupdel bufbroker
+	fi
+	rm -rf "$TMP"
+	exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+fail()
+{
+	printf 'FAIL: package-test: %s\n' "$*" >&2
+	if [ -s "$TMP/daemon.log" ]; then
+		tail -n 20 "$TMP/daemon.log" >&2
+	fi
+	exit 1
+}
+
+# is_owned PATH: whether a package lists PATH (dpkg -S matches patterns;
+# fixed strings are enough for these paths).
+is_owned()
+{
+	dpkg -S "$1" >/dev/null 2>&1
+}
+
+# ---- build ---------------------------------------------------------------
+# RelWithDebInfo is -O2 -g, as Debian builds; CPack strips the binaries.
+# The prefix and sysconfdir are debhelper's: /usr, and /etc (not /usr/etc).
+bb_build "$BUILD" RelWithDebInfo -DCMAKE_INSTALL_PREFIX=/usr -DCMAKE_INSTALL_SYSCONFDIR=/etc \
+	-DBB_BUILD_TESTS=OFF -DBB_BUILD_EXAMPLES=OFF || fail "building $BUILD"
+rm -f "$BUILD"/*.deb
+bb_log "package-test: cpack -G DEB"
+(cd "$BUILD" && cpack -G DEB >"$TMP/cpack.log" 2>&1) ||
+	{ cat "$TMP/cpack.log" >&2; fail "cpack -G DEB"; }
+DEBS=()
+for p in "${PKGS[@]}"; do
+	f="$(echo "$BUILD/${p}_"*.deb)"
+	[ -f "$f" ] || fail "cpack made no $p package (see $BUILD/_CPack_Packages)"
+	DEBS+=("$f")
+done
+
+# Files of another install (`cmake --install` to /usr, say) at the packages'
+# paths would be overwritten by dpkg -i and deleted by dpkg -r.
+for f in "${DEBS[@]}"; do
+	dpkg-deb -x "$f" "$TMP/contents"
+done
+while IFS= read -r f; do
+	f="/${f#./}"
+	if { [ -e "$f" ] || [ -L "$f" ]; } && ! is_owned "$f"; then
+		skip "$f is already there (not from a package); remove the other install first"
+	fi
+done < <(cd "$TMP/contents" && find . ! -type d)
+
+# ---- install -------------------------------------------------------------
+getent group bufbroker >/dev/null || GROUP_CREATED=1
+bb_log "package-test: dpkg -i ${DEBS[*]##*/}"
+if ! dpkg -i "${DEBS[@]}" >"$TMP/dpkg-i.log" 2>&1; then
+	cat "$TMP/dpkg-i.log" >&2
+	# Only missing dependencies should get here; lib.sh installs them all.
+	bb_warn "dpkg -i failed; trying apt-get install -f (what it pulls in stays installed)"
+	DEBIAN_FRONTEND=noninteractive apt-get install -f -y -q --no-install-recommends ||
+		fail "dpkg -i, then apt-get install -f"
+fi
+for p in "${PKGS[@]}"; do
+	st="$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)"
+	[ "$st" = "install ok installed" ] || fail "$p is '$st' after dpkg -i"
+done
+
+# ---- what is installed where ---------------------------------------------
+getent group bufbroker >/dev/null || fail "the bufbroker group was not created"
+MA="$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || gcc -print-multiarch)"
+declare -A expect=(
+	[bufbroker]="/usr/sbin/bufbrokerd /usr/bin/bufbroker
+		/usr/lib/$MA/libbufbroker.so.0
+		/usr/lib/systemd/system/bufbrokerd.service
+		/usr/lib/systemd/system/bufbrokerd.socket
+		/usr/lib/sysusers.d/bufbroker.conf"
+	[libbufbroker-dev]="/usr/include/bufbroker/bufbroker.h
+		/usr/lib/$MA/libbufbroker.a /usr/lib/$MA/libbufbroker.so
+		/usr/lib/$MA/pkgconfig/bufbroker.pc
+		/usr/lib/$MA/cmake/bufbroker/bufbrokerConfig.cmake
+		/usr/lib/$MA/cmake/bufbroker/bufbrokerConfigVersion.cmake"
+)
+# What the source tree has, the package must ship.
+if [ -f systemd/bufbrokerd.conf ]; then
+	expect[bufbroker]+=" /etc/bufbroker/bufbrokerd.conf"
+fi
+sources="$(git ls-files --cached --others --exclude-standard 2>/dev/null || true)"
+if grep -q 'bufbrokerd\.8' <<<"$sources"; then
+	expect[bufbroker]+=" /usr/share/man/man8/bufbrokerd.8.gz|/usr/share/man/man8/bufbrokerd.8"
+fi
+if grep -q 'bufbroker\.1' <<<"$sources"; then
+	expect[bufbroker]+=" /usr/share/man/man1/bufbroker.1.gz|/usr/share/man/man1/bufbroker.1"
+fi
+for p in "${PKGS[@]}"; do
+	dpkg -L "$p" >"$TMP/$p.list"
+	for want in ${expect[$p]}; do
+		found=0
+		IFS='|' read -ra alts <<<"$want"
+		for f in "${alts[@]}"; do
+			if grep -qxF "$f" "$TMP/$p.list" && { [ -e "$f" ] || [ -L "$f" ]; }; then
+				found=1
+			fi
+		done
+		[ "$found" = 1 ] || fail "$p does not install ${want//|/ or }"
+	done
+done
+if [ -f systemd/bufbrokerd.conf ]; then
+	dpkg-query -W -f='${Conffiles}\n' bufbroker | grep -q ' /etc/bufbroker/bufbrokerd.conf ' ||
+		fail "/etc/bufbroker/bufbrokerd.conf is not a conffile"
+fi
+exec_start="$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' /usr/lib/systemd/system/bufbrokerd.service)"
+[ -x "$exec_start" ] || fail "the service's ExecStart=$exec_start is not an installed program"
+if readelf -d /usr/sbin/bufbrokerd /usr/bin/bufbroker "/usr/lib/$MA/libbufbroker.so.0" |
+	grep -qE 'RPATH|RUNPATH'; then
+	fail "an installed binary carries an RPATH into the build tree"
+fi
+# (/lib is /usr/lib on merged-/usr systems.)
+ldconfig -p | grep -qE "libbufbroker\.so\.0 .*=> (/usr)?/lib/$MA/libbufbroker\.so\.0\$" ||
+	fail "libbufbroker.so.0 is not in the linker cache (the ldconfig trigger)"
+
+# ---- the installed daemon serves -----------------------------------------
+SOCK="$TMP/bb.sock"
+bb_log "package-test: /usr/sbin/bufbrokerd --socket $SOCK"
+/usr/sbin/bufbrokerd --socket "$SOCK" 2>"$TMP/daemon.log" &
+DPID=$!
+for _ in $(seq 100); do
+	[ -S "$SOCK" ] && break
+	kill -0 "$DPID" 2>/dev/null || break
+	sleep 0.05
+done
+[ -S "$SOCK" ] || fail "the installed daemon did not start"
+/usr/bin/bufbroker --socket "$SOCK" status >"$TMP/status.out" ||
+	fail "the installed CLI: bufbroker status"
+
+# ---- programs built against the installed packages ------------------------
+# Nothing of the build tree: copies of the sources, the system's pkg-config
+# and CMake search paths only.
+unset PKG_CONFIG_PATH LD_LIBRARY_PATH CMAKE_PREFIX_PATH
+mkdir -p "$TMP/src"
+cp examples/producer.c examples/consumer.c "$TMP/src/"
+bb_log "package-test: building the examples with pkg-config bufbroker"
+[ "$(pkg-config --modversion bufbroker)" = "$(dpkg-query -W -f='${Version}' libbufbroker-dev)" ] ||
+	fail "pkg-config bufbroker is not the installed version"
+for ex in producer consumer; do
+	# shellcheck disable=SC2046 # pkg-config's output is words
+	cc -Wall -Wextra -Werror -o "$TMP/bb-$ex" "$TMP/src/$ex.c" \
+		$(pkg-config --cflags --libs bufbroker) ||
+		fail "building $ex.c with pkg-config bufbroker"
+done
+ldd "$TMP/bb-consumer" | grep -qE "libbufbroker\.so\.0 => (/usr)?/lib/$MA/libbufbroker\.so\.0 " ||
+	fail "bb-consumer does not load the installed libbufbroker.so.0"
+
+bb_log "package-test: building the consumer with find_package(bufbroker)"
+mkdir -p "$TMP/cm"
+cp "$TMP/src/consumer.c" "$TMP/cm/"
+cat >"$TMP/cm/CMakeLists.txt" <<'CM'
+cmake_minimum_required(VERSION 3.18)
+project(consumer C)
+find_package(bufbroker 0.1 REQUIRED)
+add_executable(bb-consumer-cmake consumer.c)
+target_link_libraries(bb-consumer-cmake PRIVATE bufbroker::bufbroker)
+CM
+{ cmake -S "$TMP/cm" -B "$TMP/cm/build" && cmake --build "$TMP/cm/build"; } >"$TMP/cm.log" 2>&1 ||
+	{ cat "$TMP/cm.log" >&2; fail "building with find_package(bufbroker)"; }
+grep -q "bufbroker_DIR:PATH=/usr/lib/$MA/cmake/bufbroker" "$TMP/cm/build/CMakeCache.txt" ||
+	fail "find_package(bufbroker) did not find the installed package"
+
+bb_log "package-test: producer -> consumer (pkg-config build), producer -> consumer (CMake build)"
+tok="$("$TMP/bb-producer" --socket "$SOCK" --name pkgtest-1 --pattern 7)" ||
+	fail "bb-producer (pkg-config build)"
+"$TMP/bb-consumer" --socket "$SOCK" --pattern 7 "$tok" || fail "bb-consumer (pkg-config build)"
+tok="$("$TMP/bb-producer" --socket "$SOCK" --name pkgtest-2 --pattern 9)" ||
+	fail "bb-producer (pkg-config build), second run"
+"$TMP/cm/build/bb-consumer-cmake" --socket "$SOCK" --pattern 9 "$tok" ||
+	fail "bb-consumer (find_package build)"
+/usr/bin/bufbroker --socket "$SOCK" --json ls >"$TMP/ls.json" || fail "the installed CLI: bufbroker ls"
+if grep -q pkgtest "$TMP/ls.json"; then
+	fail "buffers left behind: $(cat "$TMP/ls.json")"
+fi
+
+kill -TERM "$DPID"
+rc=0
+wait "$DPID" || rc=$?
+DPID=
+[ "$rc" -eq 0 ] || fail "the installed daemon exited $rc on SIGTERM"
+
+# ---- remove, purge, and nothing left ---------------------------------------
+bb_log "package-test: dpkg -r, dpkg --purge"
+dpkg -r libbufbroker-dev bufbroker >"$TMP/dpkg-r.log" 2>&1 ||
+	{ cat "$TMP/dpkg-r.log" >&2; fail "dpkg -r"; }
+for p in "${PKGS[@]}"; do
+	while IFS= read -r f; do
+		if [ -d "$f" ]; then
+			continue # shared directories (/usr/lib/...) stay
+		fi
+		case "$f" in
+		/etc/*) ;; # conffiles stay until purge
+		*) if [ -e "$f" ] || [ -L "$f" ]; then fail "$f is still there after dpkg -r $p"; fi ;;
+		esac
+	done <"$TMP/$p.list"
+done
+dpkg --purge libbufbroker-dev bufbroker >"$TMP/dpkg-purge.log" 2>&1 ||
+	{ cat "$TMP/dpkg-purge.log" >&2; fail "dpkg --purge"; }
+for p in "${PKGS[@]}"; do
+	[ -z "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)" ] ||
+		fail "dpkg still knows $p after --purge"
+	while IFS= read -r f; do
+		if [ ! -d "$f" ] && { [ -e "$f" ] || [ -L "$f" ]; }; then
+			fail "$f is still there after dpkg --purge $p"
+		fi
+	done <"$TMP/$p.list"
+done
+[ ! -e /etc/bufbroker ] || fail "/etc/bufbroker is still there after dpkg --purge"
+if ldconfig -p | grep -q 'libbufbroker\.so\.0 '; then
+	fail "libbufbroker.so.0 is still in the linker cache after purge"
+fi
+
+echo "PASS: package-test: ${DEBS[*]##*/} built, installed, served, built against, purged"

@@ -1,0 +1,336 @@
+#!/usr/bin/env bash
+# bufbrokerd's configuration file: every key set in a file is honoured (seen
+# in what the daemon does, not in what it prints back), flags override the
+# file, --check-config reports every bad line (file:line, key, why) and exits
+# 1, or says "FILE: ok"; SIGHUP applies live keys and logs each change, logs
+# the keys that need a restart, and changes nothing when the file is bad.
+#
+# ctest sets BUFBROKERD, BUFBROKER_CLI, BB_PRODUCER, BB_SOURCE_DIR and
+# BB_FAKECUDA (libfakecuda.so stands in for the CUDA driver).
+set -euo pipefail
+
+DIR=$(mktemp -d /tmp/bbt-config-XXXXXX)
+LOG=
+DPID=
+STEP="setup"
+
+cleanup() {
+	if [[ -n $DPID ]] && kill -0 "$DPID" 2>/dev/null; then
+		kill -KILL "$DPID" 2>/dev/null || true
+		wait "$DPID" 2>/dev/null || true
+	fi
+	rm -rf "$DIR"
+}
+trap cleanup EXIT
+
+fail() {
+	echo "FAIL ($STEP): $*" >&2
+	if [[ -n $LOG && -f $LOG ]]; then
+		echo "---- daemon log (tail) ----" >&2
+		tail -n 40 "$LOG" >&2
+		echo "---- end of daemon log ----" >&2
+	fi
+	exit 1
+}
+trap 'fail "command failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
+
+for v in BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_FAKECUDA; do
+	[[ -n ${!v:-} && -e ${!v} ]] || fail "\$$v must name a file (ctest sets it)"
+done
+[[ -n ${BB_SOURCE_DIR:-} && -f $BB_SOURCE_DIR/systemd/bufbrokerd.conf ]] ||
+	fail "\$BB_SOURCE_DIR/systemd/bufbrokerd.conf is missing (ctest sets BB_SOURCE_DIR)"
+PY=/usr/bin/python3
+[[ -x $PY ]] || PY=$(command -v python3) || fail "python3 is needed to read JSON"
+
+# The fake driver: one device of 1 GiB, accounting private to this test.
+export BUFBROKER_CUDA_LIBRARY=$BB_FAKECUDA FAKECUDA_DEVICES=1 FAKECUDA_MEMORY=1G
+export FAKECUDA_NAMESPACE=bbt-config-$$
+GROUP=$(id -gn)
+
+# start NAME ARGS...: run the daemon with ARGS, its log in $DIR/NAME.log,
+# until the socket named by SOCK exists.
+start() {
+	local name=$1
+	shift
+	LOG=$DIR/$name.log
+	"$BUFBROKERD" "$@" >"$LOG" 2>&1 &
+	DPID=$!
+	for _ in $(seq 500); do
+		[[ -S $SOCK ]] && return 0
+		kill -0 "$DPID" 2>/dev/null || fail "bufbrokerd exited during start-up"
+		sleep 0.01
+	done
+	fail "no socket at $SOCK after 5 s"
+}
+
+stop() {
+	kill -TERM "$DPID"
+	local rc=0
+	wait "$DPID" || rc=$?
+	DPID=
+	[[ $rc -eq 0 ]] || fail "bufbrokerd exited $rc after SIGTERM, want 0"
+}
+
+cli() { timeout 10 "$BUFBROKER_CLI" --socket "$SOCK" "$@"; }
+json() { "$PY" -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+# produce NAME SIZE: one host buffer held by a token; the output in $DIR/out.
+produce() {
+	timeout 10 "$BB_PRODUCER" --socket "$SOCK" --name "$1" --size "$2" >"$DIR/out" 2>&1
+}
+# wait_log PATTERN: until the daemon's log has a line matching PATTERN (5 s).
+wait_log() {
+	for _ in $(seq 500); do
+		grep -Eq "$1" "$LOG" && return 0
+		sleep 0.01
+	done
+	fail "no log line matching '$1' within 5 s"
+}
+
+# ---- --check-config -----------------------------------------------------------
+STEP="--check-config on the shipped example"
+out=$("$BUFBROKERD" --check-config "$BB_SOURCE_DIR/systemd/bufbrokerd.conf" 2>&1) ||
+	fail "the shipped example is refused: $out"
+[[ $out == "$BB_SOURCE_DIR/systemd/bufbrokerd.conf: ok" ]] || fail "unexpected output: $out"
+
+STEP="--check-config on a bad file"
+BAD=$DIR/bad.conf
+cat >"$BAD" <<'EOF'
+# line 1: a comment
+[limits]
+uid_buffers = lots
+max_connections = 0
+colour = blue
+uid_buffers = 7
+[socket]
+mode = 0999
+group = bbt-no-such-group-xyz
+this line has no equals sign
+[tokens]
+ttl_ms = 5Q
+[nonsense]
+anything = goes
+[log]
+level = loud
+[metrics]
+listen = nowhere
+[cuda]
+enabled = maybe
+EOF
+rc=0
+out=$("$BUFBROKERD" --check-config "$BAD" 2>&1) || rc=$?
+[[ $rc -eq 1 ]] || fail "--check-config on a bad file exited $rc, want 1: $out"
+expect() {
+	grep -Fq -- "$1" <<<"$out" || fail "--check-config does not say '$1'; it said:
+$out"
+}
+expect "bad.conf:3: [limits] uid_buffers: \"lots\" is not a number"
+expect "bad.conf:4: [limits] max_connections: \"0\" is too small"
+expect "bad.conf:5: [limits] colour: unknown key"
+expect "bad.conf:6: [limits] uid_buffers: is set twice (first on line 3)"
+expect "bad.conf:8: [socket] mode: \"0999\" is not an octal mode"
+expect "bad.conf:9: [socket] group: no group named \"bbt-no-such-group-xyz\""
+expect "bad.conf:10: expected \"key = value\""
+expect "bad.conf:12: [tokens] ttl_ms: \"5Q\" is not a number"
+expect "bad.conf:13: unknown section [nonsense]"
+expect "bad.conf:16: [log] level: \"loud\" is not a level"
+expect "bad.conf:18: [metrics] listen: \"nowhere\" is not ADDRESS:PORT"
+expect "bad.conf:20: [cuda] enabled: \"maybe\" is not true or false"
+grep -q "anything" <<<"$out" && fail "a key of an unknown section was reported on its own: $out"
+[[ $(grep -c "bad.conf:[0-9]" <<<"$out") -eq 12 ]] || fail "want exactly 12 problems reported: $out"
+grep -q ": ok" <<<"$out" && fail "a bad file was called ok: $out"
+
+STEP="--check-config: unknown key alone"
+printf '[limits]\nuid_buffer = 5\n' >"$DIR/typo.conf"
+rc=0
+out=$("$BUFBROKERD" --check-config "$DIR/typo.conf" 2>&1) || rc=$?
+[[ $rc -eq 1 ]] || fail "a misspelt key was accepted (exit $rc): $out"
+expect "typo.conf:2: [limits] uid_buffer: unknown key (the keys of [limits] are: uid_host_bytes"
+
+STEP="--check-config on a missing file"
+rc=0
+out=$("$BUFBROKERD" --check-config "$DIR/missing.conf" 2>&1) || rc=$?
+[[ $rc -eq 1 ]] || fail "--check-config on a missing file exited $rc, want 1"
+expect "missing.conf: cannot read it"
+
+STEP="the daemon refuses a bad file and a missing --config file"
+SOCK=$DIR/never.sock
+rc=0
+out=$("$BUFBROKERD" --socket "$SOCK" --config "$BAD" 2>&1) || rc=$?
+[[ $rc -eq 1 ]] || fail "bufbrokerd --config BAD exited $rc, want 1: $out"
+expect "bad.conf:3: [limits] uid_buffers"
+rc=0
+out=$("$BUFBROKERD" --socket "$SOCK" --config "$DIR/missing.conf" 2>&1) || rc=$?
+[[ $rc -eq 1 ]] || fail "bufbrokerd --config MISSING exited $rc, want 1: $out"
+[[ ! -e $SOCK ]] || fail "a refused configuration still made the socket"
+rc=0
+out=$("$BUFBROKERD" --socket "$SOCK" --uid-buffers lots 2>&1) || rc=$?
+[[ $rc -eq 2 ]] || fail "a bad flag exited $rc, want 2: $out"
+expect "--uid-buffers: \"lots\" is not a number"
+
+# ---- every key set in the file -------------------------------------------------
+FULL=$DIR/full.conf
+SOCK=$DIR/full.sock
+cat >"$FULL" <<EOF
+; every key, none at its default
+[socket]
+path = $SOCK
+mode = 0600
+group = $GROUP
+
+[limits]
+uid_host_bytes = 1M        ; comments may follow a value
+uid_cuda_bytes = 3M
+uid_buffers = 3
+max_connections = 64
+conn_tokens = 16
+conn_waits = 16
+queue_bytes = 64K
+max_datagram = 32K
+
+[tokens]
+ttl_ms = 1500
+
+[cuda]
+enabled = yes
+slab_bytes = 2M
+cache_bytes = 6M
+device_bytes = 24M
+
+[log]
+level = debug
+
+[metrics]
+listen = 127.0.0.1:0
+EOF
+STEP="--check-config on a file with every key"
+out=$("$BUFBROKERD" --check-config "$FULL" 2>&1) || fail "the full file is refused: $out"
+[[ $out == "$FULL: ok" ]] || fail "unexpected output: $out"
+
+STEP="start with the full file"
+start full --config "$FULL"
+
+STEP="[socket] path, mode, group"
+[[ $(stat -c %a "$SOCK") == 600 ]] || fail "socket mode $(stat -c %a "$SOCK"), want 600"
+[[ $(stat -c %G "$SOCK") == "$GROUP" ]] || fail "socket group $(stat -c %G "$SOCK"), want $GROUP"
+
+STEP="[limits] max_datagram"
+st=$(cli --json status)
+grep -q "event=listening .*max_datagram=32768" "$LOG" || fail "max_datagram is not 32768"
+
+STEP="[cuda] enabled, slab_bytes, cache_bytes, device_bytes"
+[[ $(json "d['cuda']" <<<"$st") == "" ]] || fail "CUDA is not served: $st"
+[[ $(json "d['devices'][0]['limit_bytes']" <<<"$st") == 25165824 ]] ||
+	fail "device limit is not 24M: $st"
+grep -q "event=cuda_ready .*slab_bytes=2097152 cache_bytes=6291456" "$LOG" ||
+	fail "the CUDA backend did not get slab_bytes=2M cache_bytes=6M"
+
+STEP="[log] level = debug"
+grep -q "level=debug event=hello" "$LOG" || fail "no debug line for the CLI's Hello"
+
+STEP="[limits] uid_host_bytes"
+produce big 2097152 && fail "a 2 MiB buffer was allowed under uid_host_bytes = 1M"
+grep -q "the limit is 1.0 MiB" "$DIR/out" ||
+	fail "the refusal does not name the 1 MiB limit: $(cat "$DIR/out")"
+
+STEP="[limits] uid_buffers"
+for i in 1 2 3; do
+	produce "b$i" 4096 || fail "buffer $i of 3 refused: $(cat "$DIR/out")"
+done
+produce b4 4096 && fail "a 4th buffer was allowed under uid_buffers = 3"
+grep -q "would own 4 buffers; the limit is 3" "$DIR/out" ||
+	fail "the 4th buffer's refusal does not name the limit: $(cat "$DIR/out")"
+[[ $(cli --json status | json "d['kinds']['host']['buffers']") == 3 ]] ||
+	fail "want 3 live buffers"
+
+STEP="[tokens] ttl_ms"
+# The three tokens release their buffers 1.5 s after they were made.
+for _ in $(seq 40); do
+	[[ $(cli --json status | json "d['kinds']['host']['buffers']") == 0 ]] && break
+	sleep 0.1
+done
+[[ $(cli --json status | json "d['kinds']['host']['buffers']") == 0 ]] ||
+	fail "tokens outlived ttl_ms = 1500 by seconds"
+stop
+
+# ---- flags override the file -----------------------------------------------------
+STEP="flags override the file"
+SOCK=$DIR/flags.sock
+start flags --config "$FULL" --socket "$SOCK" --socket-mode 0640 --uid-buffers 5 \
+	--log-level warn --token-ttl 60000 --uid-host-bytes 4M
+[[ $(stat -c %a "$SOCK") == 640 ]] || fail "socket mode $(stat -c %a "$SOCK"), want 640 (flag)"
+[[ ! -e $DIR/full.sock ]] || fail "the file's socket path was used despite --socket"
+produce big 2097152 || fail "--uid-host-bytes 4M did not override 1M: $(cat "$DIR/out")"
+for i in 2 3 4 5; do
+	produce "b$i" 4096 || fail "buffer $i of 5 refused: $(cat "$DIR/out")"
+done
+produce b6 4096 && fail "a 6th buffer was allowed under --uid-buffers 5"
+sleep 2 # past the file's ttl_ms: --token-ttl keeps them
+[[ $(cli --json status | json "d['kinds']['host']['buffers']") == 5 ]] ||
+	fail "--token-ttl 60000 did not override ttl_ms = 1500"
+grep -q "level=info\|level=debug" "$LOG" && fail "--log-level warn did not override level = debug"
+stop
+
+# ---- SIGHUP -------------------------------------------------------------------------
+SOCK=$DIR/hup.sock
+HUP=$DIR/hup.conf
+cat >"$HUP" <<EOF
+[socket]
+path = $SOCK
+[limits]
+conn_tokens = 0
+EOF
+STEP="SIGHUP: before"
+start hup --config "$HUP"
+produce t1 4096 && fail "a token was made under conn_tokens = 0"
+grep -q "tokens" "$DIR/out" || fail "the refusal does not name the token limit: $(cat "$DIR/out")"
+
+STEP="SIGHUP applies a live limit and names restart-only keys"
+cat >"$HUP" <<EOF
+[socket]
+path = $DIR/elsewhere.sock
+[limits]
+conn_tokens = 4
+[log]
+level = debug
+EOF
+kill -HUP "$DPID"
+wait_log "event=config_reloaded"
+grep -q "event=config_changed key=limits.conn_tokens old=0 new=4" "$LOG" ||
+	fail "no config_changed line for limits.conn_tokens"
+grep -q "event=config_changed key=log.level old=info new=debug" "$LOG" ||
+	fail "no config_changed line for log.level"
+grep -q "event=config_restart_needed keys=socket.path" "$LOG" ||
+	fail "no config_restart_needed line naming socket.path"
+[[ $(grep -c "event=config_changed" "$LOG") -eq 2 ]] || fail "want exactly 2 config_changed lines"
+[[ -S $SOCK && ! -e $DIR/elsewhere.sock ]] || fail "the socket moved without a restart"
+produce t2 4096 || fail "conn_tokens = 4 did not apply live: $(cat "$DIR/out")"
+grep -q "level=debug event=hello" "$LOG" || fail "level = debug did not apply live"
+
+STEP="SIGHUP with a bad file changes nothing"
+cat >"$HUP" <<EOF
+[socket]
+path = $SOCK
+[limits]
+conn_tokens = 0
+uid_buffers = lots
+EOF
+kill -HUP "$DPID"
+wait_log "event=config_reload_failed"
+grep -q 'level=error event=config_invalid .*line=5 key=limits.uid_buffers error="\\"lots\\" is not a number' "$LOG" ||
+	fail "the bad key is not logged with its line"
+grep -q "key=limits.conn_tokens old=4 new=0" "$LOG" && fail "a bad file still changed conn_tokens"
+produce t3 4096 || fail "conn_tokens changed after a bad reload: $(cat "$DIR/out")"
+
+STEP="SIGHUP with the file gone (given with --config)"
+rm "$HUP"
+kill -HUP "$DPID"
+for _ in $(seq 500); do
+	[[ $(grep -c "event=config_reload_failed" "$LOG") -ge 2 ]] && break
+	sleep 0.01
+done
+[[ $(grep -c "event=config_reload_failed" "$LOG") -ge 2 ]] || fail "a missing file did not fail the reload"
+produce t4 4096 || fail "the daemon changed after a failed reload: $(cat "$DIR/out")"
+kill -0 "$DPID" || fail "the daemon died on SIGHUP"
+stop
+
+echo "config.sh: all checks passed"
