@@ -26,6 +26,15 @@ typedef struct uid_usage {
 	UT_hash_handle hh;
 } uid_usage;
 
+/* Live tokens one uid made, for the per-uid token limit: tokens outlive
+ * their connection, so the per-connection limit alone would not bound
+ * them. Present only while tokens > 0. */
+typedef struct uid_tokens {
+	uint32_t uid;      /* key: the maker's uid */
+	uint64_t tokens;   /* its live tokens, its closed connections' included */
+	UT_hash_handle hh; /* in broker.uid_tokens */
+} uid_tokens;
+
 /* One connection's count on one buffer. Present only while count > 0. */
 typedef struct holding {
 	uint64_t id;       /* key: the buffer's id */
@@ -39,6 +48,7 @@ typedef struct token {
 	unsigned char bytes[BB_TOKEN_SIZE]; /* key: 128 random bits */
 	broker_buf *buf;                    /* the buffer it references */
 	broker_conn *maker;                 /* NULL once the maker closed */
+	uint32_t maker_uid;                 /* whose uid_tokens count it is in */
 	uint64_t expires_ms;                /* when the reference is released */
 	struct token *prev, *next;          /* broker's FIFO, oldest first */
 	struct token *mprev, *mnext;        /* maker's list */
@@ -90,6 +100,7 @@ struct broker {
 	token *tokens;                    /* live tokens by value */
 	token *token_fifo;                /* live tokens, oldest first */
 	uid_usage *uids;                  /* usage per uid */
+	uid_tokens *uid_tokens;           /* live tokens per maker uid */
 	broker_conn *conns;               /* open connections */
 	uint32_t nconns;                  /* length of conns */
 	uint64_t next_id;                 /* next buffer id */
@@ -137,6 +148,19 @@ static const char *human(uint64_t n, char out[32])
 	return out;
 }
 
+/* A value and its limit for one message: in one decimal unit each, or in
+ * bytes when that rounding would show them equal ("1.0 MiB; the limit is
+ * 1.0 MiB" says nothing). */
+static void human_pair(uint64_t value, uint64_t limit, char a[32], char b[32])
+{
+	human(value, a);
+	human(limit, b);
+	if (strcmp(a, b) == 0) {
+		snprintf(a, 32, "%" PRIu64 " bytes", value);
+		snprintf(b, 32, "%" PRIu64 " bytes", limit);
+	}
+}
+
 static uint64_t default_now_ms(void *ctx)
 {
 	(void)ctx;
@@ -181,6 +205,7 @@ void broker_limits_default(broker_limits *l)
 	l->uid_buffers = 65536;
 	l->connections = 1024;
 	l->conn_tokens = 4096;
+	l->uid_tokens = 65536;
 	l->conn_waits = 1024;
 	l->token_ttl_ms = 60000;
 }
@@ -429,15 +454,20 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	if (have_buffers + 1 > b->limits.uid_buffers) {
 		b->refused[BROKER_LIMIT_UID_BUFFERS]++;
 		return fail(err, BB_ERR_NO_MEMORY,
-			    "uid %u would own %" PRIu64 " buffers; the limit is %" PRIu64, conn->uid,
-			    have_buffers + 1, b->limits.uid_buffers);
+			    "uid %u would own %" PRIu64 " buffers; the limit is %" PRIu64
+			    " (--uid-buffers)",
+			    conn->uid, have_buffers + 1, b->limits.uid_buffers);
 	}
 	if (req->size > b->limits.uid_bytes[req->kind] ||
 	    have_bytes > b->limits.uid_bytes[req->kind] - req->size) {
 		b->refused[BROKER_LIMIT_UID_BYTES]++;
-		return fail(err, BB_ERR_NO_MEMORY, "uid %u would hold %s of %s buffers; the limit is %s",
-			    conn->uid, human(have_bytes + req->size, h1), kind_name(req->kind),
-			    human(b->limits.uid_bytes[req->kind], h2));
+		/* The sum may pass the limit by less than the rounding shows. */
+		uint64_t would = req->size > UINT64_MAX - have_bytes ? UINT64_MAX
+								     : have_bytes + req->size;
+		human_pair(would, b->limits.uid_bytes[req->kind], h1, h2);
+		return fail(err, BB_ERR_NO_MEMORY,
+			    "uid %u would hold %s of %s buffers; the limit is %s (--uid-%s-bytes)",
+			    conn->uid, h1, kind_name(req->kind), h2, kind_name(req->kind));
 	}
 
 	broker_buf *buf = calloc(1, sizeof(*buf));
@@ -581,6 +611,12 @@ int broker_release(broker *b, broker_conn *conn, uint64_t id, uint32_t count, ui
 
 static void token_forget(broker *b, token *t)
 {
+	uid_tokens *ut;
+	HASH_FIND(hh, b->uid_tokens, &t->maker_uid, sizeof(t->maker_uid), ut);
+	if (ut && --ut->tokens == 0) {
+		HASH_DELETE(hh, b->uid_tokens, ut);
+		free(ut);
+	}
 	HASH_DELETE(hh, b->tokens, t);
 	DL_DELETE(b->token_fifo, t);
 	if (t->maker) {
@@ -602,12 +638,33 @@ int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 	if (conn->ntokens >= b->limits.conn_tokens) {
 		b->refused[BROKER_LIMIT_CONN_TOKENS]++;
 		return fail(err, BB_ERR_NO_MEMORY,
-			    "the connection would have %u live tokens; the limit is %u",
+			    "the connection would have %u live tokens; the limit is %u (--conn-tokens)",
 			    conn->ntokens + 1, b->limits.conn_tokens);
 	}
+	uid_tokens *ut;
+	HASH_FIND(hh, b->uid_tokens, &conn->uid, sizeof(conn->uid), ut);
+	uint64_t have = ut ? ut->tokens : 0;
+	if (have >= b->limits.uid_tokens) {
+		b->refused[BROKER_LIMIT_UID_TOKENS]++;
+		return fail(err, BB_ERR_NO_MEMORY,
+			    "uid %u would have %" PRIu64 " live tokens; the limit is %" PRIu64
+			    " (--uid-tokens)",
+			    conn->uid, have + 1, b->limits.uid_tokens);
+	}
+	if (!ut) {
+		if (!(ut = calloc(1, sizeof(*ut))))
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		ut->uid = conn->uid;
+		HASH_ADD(hh, b->uid_tokens, uid, sizeof(ut->uid), ut);
+	}
 	token *t = calloc(1, sizeof(*t));
-	if (!t)
+	if (!t) {
+		if (ut->tokens == 0) {
+			HASH_DELETE(hh, b->uid_tokens, ut);
+			free(ut);
+		}
 		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	}
 	/* 128 random bits: a collision with a live token is as likely as
 	 * guessing one; still, never let two live tokens share a value. */
 	token *dup;
@@ -619,6 +676,8 @@ int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 	broker_buf *buf = h->buf;
 	t->buf = buf;
 	t->maker = conn;
+	t->maker_uid = conn->uid;
+	ut->tokens++;
 	t->expires_ms = now(b) + b->limits.token_ttl_ms;
 	HASH_ADD(hh, b->tokens, bytes, sizeof(t->bytes), t);
 	DL_APPEND(b->token_fifo, t);
@@ -725,7 +784,7 @@ int broker_wait(broker *b, broker_conn *conn, uint64_t id, broker_waiter *w, bb_
 	if (conn->nwaits >= b->limits.conn_waits) {
 		b->refused[BROKER_LIMIT_CONN_WAITS]++;
 		return fail(err, BB_ERR_NO_MEMORY,
-			    "the connection would have %u parked waits; the limit is %u",
+			    "the connection would have %u parked waits; the limit is %u (--conn-waits)",
 			    conn->nwaits + 1, b->limits.conn_waits);
 	}
 	w->conn = conn;
@@ -755,7 +814,8 @@ broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pi
 {
 	if (b->nconns >= b->limits.connections) {
 		b->refused[BROKER_LIMIT_CONNECTIONS]++;
-		fail(err, BB_ERR_NO_MEMORY, "%u connections are open; the limit is %u", b->nconns,
+		fail(err, BB_ERR_NO_MEMORY,
+		     "%u connections are open; the limit is %u (--max-connections)", b->nconns,
 		     b->limits.connections);
 		return NULL;
 	}
@@ -922,7 +982,7 @@ const char *broker_limit_name(broker_limit limit)
 	static const char *names[BROKER_LIMIT_COUNT] = {
 		[BROKER_LIMIT_CONNECTIONS] = "connections", [BROKER_LIMIT_UID_BUFFERS] = "uid_buffers",
 		[BROKER_LIMIT_UID_BYTES] = "uid_bytes",     [BROKER_LIMIT_CONN_TOKENS] = "conn_tokens",
-		[BROKER_LIMIT_CONN_WAITS] = "conn_waits",
+		[BROKER_LIMIT_CONN_WAITS] = "conn_waits",   [BROKER_LIMIT_UID_TOKENS] = "uid_tokens",
 	};
 	return (unsigned)limit < BROKER_LIMIT_COUNT ? names[limit] : NULL;
 }
@@ -1098,6 +1158,34 @@ int broker_check(broker *b, char *report, size_t len)
 	}
 	if (ntokens != b->ntokens)
 		PROBLEM("%" PRIu64 " tokens counted, %" PRIu64 " live", b->ntokens, ntokens);
+	/* Per-uid token counts, recounted into a scratch table. */
+	uid_tokens *made = NULL, *mt, *mtmp, *ut;
+	for (token *t = b->tokens; t; t = t->hh.next) {
+		HASH_FIND(hh, made, &t->maker_uid, sizeof(t->maker_uid), mt);
+		if (!mt) {
+			if (!(mt = calloc(1, sizeof(*mt)))) {
+				PROBLEM("check: out of memory");
+				break;
+			}
+			mt->uid = t->maker_uid;
+			HASH_ADD(hh, made, uid, sizeof(mt->uid), mt);
+		}
+		mt->tokens++;
+	}
+	for (ut = b->uid_tokens; ut; ut = ut->hh.next) {
+		HASH_FIND(hh, made, &ut->uid, sizeof(ut->uid), mt);
+		if (!mt || mt->tokens != ut->tokens)
+			PROBLEM("uid %u is counted %" PRIu64 " live tokens but made %" PRIu64, ut->uid,
+				ut->tokens, mt ? mt->tokens : 0);
+	}
+	HASH_ITER(hh, made, mt, mtmp) {
+		HASH_FIND(hh, b->uid_tokens, &mt->uid, sizeof(mt->uid), ut);
+		if (!ut)
+			PROBLEM("uid %u made %" PRIu64 " live tokens that no per-uid count has",
+				mt->uid, mt->tokens);
+		HASH_DELETE(hh, made, mt);
+		free(mt);
+	}
 	if (waits != b->nwaits)
 		PROBLEM("%" PRIu64 " waits counted, %" PRIu64 " parked", b->nwaits, waits);
 	if (conns != b->nconns)
@@ -1136,6 +1224,11 @@ void broker_free(broker *b)
 	HASH_ITER(hh, b->uids, u, utmp) {
 		HASH_DELETE(hh, b->uids, u);
 		free(u);
+	}
+	uid_tokens *ut, *uttmp;
+	HASH_ITER(hh, b->uid_tokens, ut, uttmp) {
+		HASH_DELETE(hh, b->uid_tokens, ut);
+		free(ut);
 	}
 	free(b);
 }

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <ini.h>
+#include <pwd.h>
 
 #include "wire.h"
 
@@ -34,6 +35,8 @@ enum key_type {
 	KEY_BOOL,   /* true/false, yes/no, on/off, 1/0 */
 	KEY_LEVEL,  /* error, warn, info, debug */
 	KEY_LISTEN, /* HOST:PORT; empty: no listener */
+	KEY_UIDS,   /* a server_allow of users: numbers or names, comma-separated */
+	KEY_GIDS,   /* ... of groups */
 };
 
 typedef struct key {
@@ -55,6 +58,8 @@ static const key keys[] = {
 	{"socket", "mode", "socket-mode", KEY_MODE, OFF(server.socket_mode), 0, 07777, false,
 	 false},
 	{"socket", "group", "socket-group", KEY_GROUP, OFF(own_group), 0, 0, false, false},
+	{"access", "allow_uids", "allow-uids", KEY_UIDS, OFF(server.allow_uids), 0, 0, false, true},
+	{"access", "allow_gids", "allow-gids", KEY_GIDS, OFF(server.allow_gids), 0, 0, false, true},
 	{"limits", "uid_host_bytes", "uid-host-bytes", KEY_U64, LIM(uid_bytes[BB_HOST]), 0,
 	 UINT64_MAX, false, true},
 	{"limits", "uid_cuda_bytes", "uid-cuda-bytes", KEY_U64, LIM(uid_bytes[BB_CUDA]), 0,
@@ -67,8 +72,14 @@ static const key keys[] = {
 	 true},
 	{"limits", "conn_waits", "conn-waits", KEY_U32, LIM(conn_waits), 0, UINT32_MAX, false,
 	 true},
+	{"limits", "uid_tokens", "uid-tokens", KEY_U64, LIM(uid_tokens), 0, UINT64_MAX, false,
+	 true},
 	{"limits", "queue_bytes", "queue-bytes", KEY_U64, OFF(server.queue_bytes), 4096, UINT64_MAX,
 	 false, true},
+	{"limits", "send_timeout_ms", "send-timeout", KEY_U64, OFF(server.send_timeout_ms), 1,
+	 UINT64_MAX, false, true},
+	{"limits", "conn_inflight", "conn-inflight", KEY_U32, OFF(server.conn_inflight), 1,
+	 UINT32_MAX, false, true},
 	{"limits", "max_datagram", "max-datagram", KEY_U32, OFF(server.max_datagram), 1024,
 	 16u << 20, false, false},
 	{"tokens", "ttl_ms", "token-ttl", KEY_U64, LIM(token_ttl_ms), 1, UINT64_MAX, false, true},
@@ -85,7 +96,8 @@ static const key keys[] = {
 
 #define NKEYS (sizeof(keys) / sizeof(keys[0]))
 
-static const char *const sections[] = {"socket", "limits", "tokens", "cuda", "log", "metrics"};
+static const char *const sections[] = {"socket", "access", "limits", "tokens",
+				       "cuda",   "log",    "metrics"};
 
 static bool known_section(const char *s)
 {
@@ -282,6 +294,58 @@ static int set_string(char **slot, const char *v, char *why, size_t len)
 	return 0;
 }
 
+/* An allow-list: numbers or names (users for uids, groups for gids),
+ * separated by commas or blanks; "" clears it. Names are looked up now
+ * (at start and at each reload), so the daemon checks numbers only. 0, or
+ * -1 with why; out is unchanged then. */
+static int parse_allow(const char *v, bool groups, server_allow *out, char *why, size_t len)
+{
+	server_allow a = {0};
+	char copy[4096], *save = NULL;
+	const char *what = groups ? "group" : "user";
+	if (strlen(v) >= sizeof(copy)) {
+		snprintf(why, len, "is longer than %zu characters", sizeof(copy) - 1);
+		return -1;
+	}
+	unquote(v, copy, sizeof(copy));
+	for (char *t = strtok_r(copy, ", \t", &save); t; t = strtok_r(NULL, ", \t", &save)) {
+		uint64_t id;
+		if (isdigit((unsigned char)t[0])) {
+			char *end;
+			errno = 0;
+			unsigned long long n = strtoull(t, &end, 10);
+			if (*end || errno || n >= UINT32_MAX) {
+				snprintf(why, len, "\"%.64s\" is not a %s id (0 to %u) or name", t,
+					 what, UINT32_MAX - 1);
+				return -1;
+			}
+			id = n;
+		} else if (groups) {
+			struct group *g = getgrnam(t);
+			if (!g) {
+				snprintf(why, len, "no group named \"%.64s\"", t);
+				return -1;
+			}
+			id = g->gr_gid;
+		} else {
+			struct passwd *pw = getpwnam(t);
+			if (!pw) {
+				snprintf(why, len, "no user named \"%.64s\"", t);
+				return -1;
+			}
+			id = pw->pw_uid;
+		}
+		if (a.n == SERVER_ALLOW_MAX) {
+			snprintf(why, len, "lists more than %d %ss%s", SERVER_ALLOW_MAX, what,
+				 groups ? "" : "; allow a group instead ([access] allow_gids)");
+			return -1;
+		}
+		a.ids[a.n++] = (uint32_t)id;
+	}
+	*out = a;
+	return 0;
+}
+
 /* Parse v into k's field of c. 0, or -1 with why ("\"lots\" is not a
  * number"); c is unchanged then. */
 static int key_set(config *c, const key *k, const char *v, char *why, size_t len)
@@ -387,6 +451,9 @@ static int key_set(config *c, const key *k, const char *v, char *why, size_t len
 		*(bool *)field(c, k) = k->invert ? !b : b;
 		return 0;
 	}
+	case KEY_UIDS:
+	case KEY_GIDS:
+		return parse_allow(v, k->type == KEY_GIDS, (server_allow *)field(c, k), why, len);
 	case KEY_LEVEL: {
 		int l = log_level_parse(v);
 		if (l < 0) {
@@ -422,6 +489,16 @@ static const char *key_format(const config *c, const key *k, char *buf, size_t l
 		break;
 	}
 	case KEY_LEVEL: snprintf(buf, len, "%s", log_level_name(*(const enum log_level *)f)); break;
+	case KEY_UIDS:
+	case KEY_GIDS: {
+		const server_allow *a = f;
+		size_t used = 0;
+		buf[0] = '\0';
+		for (uint32_t i = 0; i < a->n && used < len; i++)
+			used += (size_t)snprintf(buf + used, len - used, "%s%" PRIu32, i ? "," : "",
+						 a->ids[i]);
+		break;
+	}
 	}
 	return buf;
 }
@@ -434,6 +511,8 @@ void config_init(config *c)
 	c->server.socket_mode = 0660;
 	c->server.max_datagram = BB_MAX_DATAGRAM;
 	c->server.queue_bytes = 4u << 20;
+	c->server.send_timeout_ms = 30000;
+	c->server.conn_inflight = 2048;
 	broker_limits_default(&c->server.limits);
 	backend_cuda_config_default(&c->server.cuda);
 	c->log_level = LOG_INFO;
@@ -548,8 +627,8 @@ static char *read_line(char *str, int num, void *stream)
 		snprintf(name, sizeof(name), "%.*s", (int)(close - s - 1), s + 1);
 		if (!known_section(name))
 			problem(p->probs, p->line, NULL,
-				"unknown section [%s] (the sections are [socket], [limits], "
-				"[tokens], [cuda], [log] and [metrics])",
+				"unknown section [%s] (the sections are [socket], [access], "
+				"[limits], [tokens], [cuda], [log] and [metrics])",
 				name);
 		else
 			p->bad_section = false;
@@ -616,6 +695,17 @@ size_t config_read_file(config *c, const char *path, bool required, config_probl
 	return probs->n - before;
 }
 
+void config_log_warnings(const config *c)
+{
+	const server_config *s = &c->server;
+	if (s->conn_inflight <= s->limits.conn_waits)
+		log_warn("event=config_warning key=limits.conn_inflight value=%" PRIu32
+			 " error=\"not above limits.conn_waits (%" PRIu32
+			 "): a connection whose parked Waits reach it is not read until one is "
+			 "answered, so it cannot send the SetReady that would answer them\"",
+			 s->conn_inflight, s->limits.conn_waits);
+}
+
 /* ---- reload ---------------------------------------------------------------------- */
 
 /* v, double-quoted when a key=value reader needs it to be. */
@@ -646,10 +736,11 @@ size_t config_apply_live(config *running, const config *fresh)
 							 k->name);
 			continue;
 		}
-		/* Live keys are all plain numbers. */
-		size_t size = k->type == KEY_U32     ? sizeof(uint32_t)
-			      : k->type == KEY_LEVEL ? sizeof(enum log_level)
-						     : sizeof(uint64_t);
+		/* Live keys are all plain values: numbers, a level, a list. */
+		size_t size = k->type == KEY_U32                           ? sizeof(uint32_t)
+			      : k->type == KEY_LEVEL                       ? sizeof(enum log_level)
+			      : k->type == KEY_UIDS || k->type == KEY_GIDS ? sizeof(server_allow)
+									   : sizeof(uint64_t);
 		memcpy(field(running, k), cfield(fresh, k), size);
 		char a[PATH_MAX + 8], b[PATH_MAX + 8];
 		log_info("event=config_changed key=%s.%s old=%s new=%s", k->section, k->name,

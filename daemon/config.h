@@ -80,6 +80,10 @@ void config_free(config *c);
  * running to server_reload and log_set_level. */
 size_t config_apply_live(config *running, const config *fresh);
 
+/* Log a config_warning line for each setting that is valid but unwise
+ * (limits.conn_inflight not above limits.conn_waits). */
+void config_log_warnings(const config *c);
+
 /* "FILE:LINE: [section] key: why" (or shorter, when there is no line or
  * key) into buf; returns buf. */
 const char *config_problem_format(const config_problems *probs, const config_problem *p, char *buf,

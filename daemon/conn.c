@@ -30,19 +30,24 @@ void conn_doom(conn *c, const char *why)
 	uv_poll_stop(&c->poll);
 	c->doomed_next = c->srv->doomed;
 	c->srv->doomed = c;
+	server_reap_soon(c->srv);
 }
-
-static void update_poll(conn *c);
 
 /* Queue a packed response that the socket did not take. */
 static void enqueue(conn *c, const unsigned char *data, size_t len, int fd)
 {
 	if (c->out_bytes + len > c->srv->cfg.queue_bytes) {
+		char why[128];
 		log_warn("event=output_overflow conn=%llu uid=%u pid=%u queued=%llu limit=%llu",
 			 (unsigned long long)c->serial, c->uid, c->pid,
 			 (unsigned long long)c->out_bytes, (unsigned long long)c->srv->cfg.queue_bytes);
 		metrics_refused(&c->srv->counters, METRICS_LIMIT_QUEUE_BYTES);
-		conn_doom(c, "client stopped reading its responses");
+		snprintf(why, sizeof(why),
+			 "client stopped reading its responses: %llu bytes would be queued; the "
+			 "limit is %llu (--queue-bytes)",
+			 (unsigned long long)(c->out_bytes + len),
+			 (unsigned long long)c->srv->cfg.queue_bytes);
+		conn_doom(c, why);
 		return;
 	}
 	outmsg *m = malloc(sizeof(*m) + len);
@@ -59,13 +64,16 @@ static void enqueue(conn *c, const unsigned char *data, size_t len, int fd)
 		return;
 	}
 	memcpy(m->data, data, len);
-	if (c->out_tail)
+	if (c->out_tail) {
 		c->out_tail->next = m;
-	else
+	} else {
 		c->out_head = m;
+		c->out_moved_ms = uv_now(c->srv->loop);
+		server_output_queued(c->srv);
+	}
 	c->out_tail = m;
 	c->out_bytes += len;
-	update_poll(c);
+	conn_update(c);
 }
 
 static void send_packed(conn *c, const unsigned char *data, size_t len, int fd)
@@ -129,23 +137,43 @@ static void flush(conn *c)
 		if (!c->out_head)
 			c->out_tail = NULL;
 		c->out_bytes -= m->len;
+		c->out_moved_ms = uv_now(c->srv->loop);
 		if (m->fd >= 0)
 			close(m->fd);
 		free(m);
 	}
-	update_poll(c);
+	conn_update(c);
 }
 
 static void on_io(uv_poll_t *p, int status, int events);
 
 /* Read while nothing is queued; while output is queued, wait for the
  * socket to drain and stop reading: backpressure, so a client that floods
- * requests without reading answers is slowed, never buffered unboundedly. */
-static void update_poll(conn *c)
+ * requests without reading answers is slowed, never buffered unboundedly.
+ * Parked requests (Waits, Allocs waiting for device memory) produce no
+ * output until they are answered, so they have their own bound: at
+ * conn_inflight of them reading pauses too, until one is answered. The end
+ * of the peer is watched throughout, so that a client that goes away while
+ * paused releases what it held at once. */
+void conn_update(conn *c)
 {
 	if (c->doomed || c->closed)
 		return;
-	int ev = c->out_head ? UV_WRITABLE | UV_DISCONNECT : UV_READABLE | UV_DISCONNECT;
+	int ev = UV_DISCONNECT;
+	if (c->out_head)
+		ev |= UV_WRITABLE;
+	else if (c->inflight < c->srv->cfg.conn_inflight)
+		ev |= UV_READABLE;
+	if (ev == c->events)
+		return;
+	if (!c->out_head && !(ev & UV_READABLE)) {
+		/* Counted once per pause, not per request it holds back. */
+		metrics_refused(&c->srv->counters, METRICS_LIMIT_CONN_INFLIGHT);
+		log_debug("event=reading_paused conn=%llu uid=%u pid=%u inflight=%u limit=%u",
+			  (unsigned long long)c->serial, c->uid, c->pid, c->inflight,
+			  c->srv->cfg.conn_inflight);
+	}
+	c->events = ev;
 	uv_poll_start(&c->poll, ev, on_io);
 }
 
@@ -178,9 +206,20 @@ static void read_one(conn *c, int events)
 	if (truncated || (size_t)n > s->cfg.max_datagram) {
 		if (fd >= 0)
 			close(fd);
-		char msg[96];
-		snprintf(msg, sizeof(msg), "datagram larger than %u bytes, or with more than one fd",
-			 s->cfg.max_datagram);
+		char msg[160];
+		if ((size_t)n > s->cfg.max_datagram)
+			/* The receive buffer holds one byte more than the
+			 * limit: a datagram that filled it is too large by at
+			 * least that byte, and its true size is not known. */
+			snprintf(msg, sizeof(msg),
+				 "datagram larger than %u bytes; the limit is %u bytes "
+				 "(--max-datagram)",
+				 s->cfg.max_datagram, s->cfg.max_datagram);
+		else
+			snprintf(msg, sizeof(msg),
+				 "datagram of %zd bytes with more than one file descriptor; at most "
+				 "one may be attached",
+				 n);
 		protocol_error(c, 0, msg, true);
 		return;
 	}
@@ -262,7 +301,8 @@ conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
 	}
 	c->poll.data = c;
 	DL_APPEND(s->conns, c);
-	uv_poll_start(&c->poll, UV_READABLE | UV_DISCONNECT, on_io);
+	c->events = UV_READABLE | UV_DISCONNECT;
+	uv_poll_start(&c->poll, c->events, on_io);
 	return c;
 }
 
@@ -274,6 +314,8 @@ void conn_close(conn *c)
 	if (c->closed)
 		return;
 	c->closed = true;
+	if (c->denied)
+		s->denied_pending--;
 	handler_drop_waits(c);
 	if (c->bc) {
 		uint64_t buffers, bytes;

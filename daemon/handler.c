@@ -186,9 +186,6 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 	reply(r, &resp, -1);
 }
 
-/* Parked allocs one connection may have; more are refused. */
-#define PARKED_ALLOCS_MAX 1024
-
 /* Allocate and answer, or BACKEND_GROW (nothing answered) when the backend
  * is making the memory. */
 static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
@@ -220,9 +217,12 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 
 static void parked_alloc_free(parked_alloc *pa)
 {
-	pa->c->parked_allocs--;
+	conn *c = pa->c;
+	c->parked_allocs--;
+	c->inflight--;
 	free(pa->name);
 	free(pa);
+	conn_update(c);
 }
 
 static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
@@ -233,13 +233,8 @@ static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 		return;
 	/* The backend is making memory (a new CUDA slab): answer once a
 	 * backend job is done. Later requests on this connection are answered
-	 * meanwhile, as with Wait. */
-	if (c->parked_allocs >= PARKED_ALLOCS_MAX) {
-		metrics_refused(&c->srv->counters, METRICS_LIMIT_PARKED_ALLOCS);
-		reply_error(r, BB_ERR_NO_MEMORY,
-			    "too many allocations on this connection are waiting for device memory");
-		return;
-	}
+	 * meanwhile, as with Wait; conn_inflight bounds how many park (the
+	 * connection is not read beyond it). */
 	parked_alloc *pa = calloc(1, sizeof(*pa));
 	if (!pa || (name && name[0] && !(pa->name = strdup(name)))) {
 		free(pa);
@@ -254,7 +249,9 @@ static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 	pa->device = device;
 	pa->share = share;
 	c->parked_allocs++;
+	c->inflight++;
 	DL_APPEND(c->srv->allocs, pa);
+	conn_update(c);
 	log_debug("event=alloc_parked conn=%llu uid=%u size=%" PRIu64 " device=%d",
 		  (unsigned long long)c->serial, c->uid, size, device);
 }
@@ -406,13 +403,16 @@ static void wait_free_cb(uv_handle_t *h)
 /* Unlink pw from its connection and free it (after its timer closes). */
 static void wait_dispose(parked_wait *pw)
 {
-	DL_DELETE(pw->c->waits, pw);
+	conn *c = pw->c;
+	DL_DELETE(c->waits, pw);
+	c->inflight--;
 	if (pw->has_timer) {
 		uv_timer_stop(&pw->timer);
 		uv_close((uv_handle_t *)&pw->timer, wait_free_cb);
 	} else {
 		free(pw);
 	}
+	conn_update(c);
 }
 
 static void on_wake(broker_waiter *w, int code, bb_state state, const char *error)
@@ -471,12 +471,14 @@ static void do_wait(req_ctx *r, const Bufbroker__Wait *wq)
 		return;
 	}
 	DL_APPEND(c->waits, pw);
+	c->inflight++;
 	if (wq->timeout_ms > 0) {
 		uv_timer_init(s->loop, &pw->timer);
 		pw->timer.data = pw;
 		pw->has_timer = true;
 		uv_timer_start(&pw->timer, on_wait_timeout, (uint64_t)wq->timeout_ms, 0);
 	}
+	conn_update(c);
 }
 
 void handler_drop_waits(conn *c)
@@ -891,11 +893,31 @@ static const char *op_name(Bufbroker__Request__OpCase op)
 	}
 }
 
+void handler_denied_message(const conn *c, char *buf, size_t len)
+{
+	snprintf(buf, len,
+		 "uid %u is not allowed to use this daemon (it is not on --allow-uids, and "
+		 "gid %u and its other groups are not on --allow-gids)",
+		 c->uid, c->gid);
+}
+
 void handler_request(conn *c, const Bufbroker__Request *req, int fd)
 {
 	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .op = op_name(req->op_case),
 		     .opc = req->op_case};
 
+	if (c->denied) {
+		/* Whatever it asks first (a Hello, from any client library):
+		 * the answer names the reason, then the connection closes. */
+		char msg[160];
+		if (fd >= 0)
+			close(fd);
+		handler_denied_message(c, msg, sizeof(msg));
+		r.quiet = false;
+		reply_error(&r, BB_ERR_DENIED, msg);
+		conn_doom(c, msg);
+		return;
+	}
 	if (fd >= 0 && req->op_case != BUFBROKER__REQUEST__OP_IMPORT_FD) {
 		close(fd);
 		r.quiet = false;

@@ -34,15 +34,29 @@ static void usage(FILE *out)
 		"                         ignored when systemd passes a socket (LISTEN_FDS)\n"
 		"  --socket-mode OCTAL    permissions of the socket file (default 0660)\n"
 		"  --socket-group NAME    group of the socket file (default: unchanged)\n"
+		"  --allow-uids LIST      only these users (numbers or names, comma-separated)\n"
+		"                         may use the daemon, with those --allow-gids admits;\n"
+		"                         root and the daemon's own uid always may (default:\n"
+		"                         everyone who can open the socket)\n"
+		"  --allow-gids LIST      only members of these groups (primary or\n"
+		"                         supplementary) may use the daemon, with those\n"
+		"                         --allow-uids admits (default: everyone)\n"
 		"  --token-ttl MS         an unadopted token releases after this (default 60000)\n"
 		"  --max-connections N    open connections in all (default 1024)\n"
 		"  --uid-host-bytes BYTES host bytes one uid may hold (default half of RAM)\n"
 		"  --uid-cuda-bytes BYTES CUDA bytes one uid may hold, all devices (default 1T)\n"
 		"  --uid-buffers N        live buffers one uid may own (default 65536)\n"
 		"  --conn-tokens N        live tokens one connection may make (default 4096)\n"
+		"  --uid-tokens N         live tokens one uid may have made, its closed\n"
+		"                         connections' included (default 65536)\n"
 		"  --conn-waits N         parked waits per connection (default 1024)\n"
+		"  --conn-inflight N      requests of one connection parked at once (Waits,\n"
+		"                         Allocs waiting for device memory) before the daemon\n"
+		"                         stops reading it until one is answered (default 2048)\n"
 		"  --queue-bytes BYTES    queued output per connection before it is dropped\n"
 		"                         (default 4194304)\n"
+		"  --send-timeout MS      a connection whose queued output cannot be sent for\n"
+		"                         this long is dropped (default 30000)\n"
 		"  --max-datagram BYTES   largest request accepted (default %d)\n"
 		"  --cuda-slab-bytes BYTES\n"
 		"                         CUDA buffers are carved out of allocations (slabs)\n"
@@ -80,7 +94,12 @@ static const struct option options[] = {
 	{"uid-cuda-bytes", required_argument, NULL, OPT_KEY},
 	{"uid-buffers", required_argument, NULL, OPT_KEY},
 	{"conn-tokens", required_argument, NULL, OPT_KEY},
+	{"uid-tokens", required_argument, NULL, OPT_KEY},
 	{"conn-waits", required_argument, NULL, OPT_KEY},
+	{"conn-inflight", required_argument, NULL, OPT_KEY},
+	{"send-timeout", required_argument, NULL, OPT_KEY},
+	{"allow-uids", required_argument, NULL, OPT_KEY},
+	{"allow-gids", required_argument, NULL, OPT_KEY},
 	{"queue-bytes", required_argument, NULL, OPT_KEY},
 	{"max-datagram", required_argument, NULL, OPT_KEY},
 	{"log-level", required_argument, NULL, OPT_KEY},
@@ -150,6 +169,7 @@ static void on_sighup(uv_signal_t *h, int signum)
 		server_reload(&d.s, &d.running.server);
 		log_info("event=config_reloaded file=\"%s\" applied=%zu", file, applied);
 		log_set_level(d.running.log_level);
+		config_log_warnings(&d.running);
 	}
 	config_free(&fresh);
 	config_problems_free(&fp);
@@ -244,6 +264,7 @@ int main(int argc, char **argv)
 		return rc;
 	}
 	log_set_level(d.running.log_level);
+	config_log_warnings(&d.running);
 
 	/* Sends use MSG_NOSIGNAL; this also covers anything that doesn't. */
 	signal(SIGPIPE, SIG_IGN);

@@ -281,8 +281,12 @@ static int render(server *s, char **out, size_t *len)
 	fprintf(f, "bufbroker_refused_total{limit=\"device_bytes\"} %llu\n", device_refused);
 	fprintf(f, "bufbroker_refused_total{limit=\"queue_bytes\"} %" PRIu64 "\n",
 		s->counters.refused[METRICS_LIMIT_QUEUE_BYTES]);
-	fprintf(f, "bufbroker_refused_total{limit=\"parked_allocs\"} %" PRIu64 "\n",
-		s->counters.refused[METRICS_LIMIT_PARKED_ALLOCS]);
+	fprintf(f, "bufbroker_refused_total{limit=\"send_timeout\"} %" PRIu64 "\n",
+		s->counters.refused[METRICS_LIMIT_SEND_TIMEOUT]);
+	fprintf(f, "bufbroker_refused_total{limit=\"conn_inflight\"} %" PRIu64 "\n",
+		s->counters.refused[METRICS_LIMIT_CONN_INFLIGHT]);
+	fprintf(f, "bufbroker_refused_total{limit=\"allow_list\"} %" PRIu64 "\n",
+		s->counters.refused[METRICS_LIMIT_ALLOW_LIST]);
 
 	if (ferror(f)) {
 		fclose(f);

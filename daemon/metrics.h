@@ -26,8 +26,10 @@ typedef struct metrics_endpoint metrics_endpoint;
 /* Limits the server enforces itself; the broker counts its own
  * (broker_totals.refused) and the CUDA backend its device limit. */
 typedef enum metrics_limit {
-	METRICS_LIMIT_QUEUE_BYTES,   /* a connection's queued output (--queue-bytes) */
-	METRICS_LIMIT_PARKED_ALLOCS, /* allocs one connection may have waiting for a device */
+	METRICS_LIMIT_QUEUE_BYTES,   /* a connection's queued output (--queue-bytes): closed */
+	METRICS_LIMIT_SEND_TIMEOUT,  /* queued output that did not move (--send-timeout): closed */
+	METRICS_LIMIT_CONN_INFLIGHT, /* parked requests (--conn-inflight): reading paused */
+	METRICS_LIMIT_ALLOW_LIST,    /* a peer no allow-list admits (--allow-uids/gids) */
 	METRICS_LIMIT_COUNT
 } metrics_limit;
 

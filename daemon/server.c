@@ -15,11 +15,16 @@
 #include <unistd.h>
 
 #include <systemd/sd-daemon.h>
+#include <utlist.h>
 
 #include "cuda_api.h"
 #include "log.h"
 #include "server.h"
 #include "wire.h"
+
+#ifndef SO_PEERGROUPS
+#define SO_PEERGROUPS 59 /* Linux 4.13; older kernels answer ENOPROTOOPT */
+#endif
 
 conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid);
 void conn_close(conn *c);
@@ -166,6 +171,93 @@ static int take_passed_socket(server *s)
 	return 1;
 }
 
+bool server_allows(const server_config *cfg, uint32_t uid, uint32_t gid, const uint32_t *groups,
+		   size_t ngroups)
+{
+	const server_allow *u = &cfg->allow_uids, *g = &cfg->allow_gids;
+	if (u->n == 0 && g->n == 0)
+		return true;
+	/* Root could read every buffer anyway, and the daemon's own uid runs
+	 * the admin tools: neither can be locked out by a list. */
+	if (uid == 0 || uid == (uint32_t)geteuid())
+		return true;
+	for (uint32_t i = 0; i < u->n; i++)
+		if (u->ids[i] == uid)
+			return true;
+	for (uint32_t i = 0; i < g->n; i++) {
+		if (g->ids[i] == gid)
+			return true;
+		for (size_t j = 0; j < ngroups; j++)
+			if (g->ids[i] == groups[j])
+				return true;
+	}
+	return false;
+}
+
+/* Whether the allow-lists admit the peer on fd. Its supplementary groups
+ * (SO_PEERGROUPS: those it had when it connected) are looked up only when
+ * its uid and primary gid are not enough. */
+static bool peer_allowed(server *s, int fd, uint32_t uid, uint32_t gid)
+{
+	if (server_allows(&s->cfg, uid, gid, NULL, 0))
+		return true;
+	if (s->cfg.allow_gids.n == 0)
+		return false;
+	gid_t small[64], *groups = small;
+	socklen_t len = sizeof(small);
+	bool ok = false;
+	int rc = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len);
+	if (rc < 0 && errno == ERANGE && (groups = malloc(len)))
+		rc = getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len);
+	if (rc == 0) {
+		size_t n = len / sizeof(gid_t);
+		uint32_t *ids = malloc((n ? n : 1) * sizeof(*ids));
+		for (size_t i = 0; ids && i < n; i++)
+			ids[i] = (uint32_t)groups[i];
+		ok = ids && server_allows(&s->cfg, uid, gid, ids, n);
+		free(ids);
+	}
+	if (groups != small)
+		free(groups);
+	return ok;
+}
+
+int server_add_conn(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
+{
+	conn *c = conn_start(s, fd, uid, gid, pid);
+	if (!c)
+		return -1;
+	if (!peer_allowed(s, fd, uid, gid)) {
+		/* Refused at its Hello, so that the client learns why; until
+		 * then it holds no broker connection (it cannot take a slot
+		 * from the peers the lists admit), and only so many wait. */
+		char msg[160];
+		c->denied = true;
+		s->denied_pending++;
+		metrics_refused(&s->counters, METRICS_LIMIT_ALLOW_LIST);
+		handler_denied_message(c, msg, sizeof(msg));
+		log_warn("event=connection_denied conn=%llu uid=%u gid=%u pid=%u error=\"%s\"",
+			 (unsigned long long)c->serial, c->uid, c->gid, c->pid, msg);
+		if (s->denied_pending > SERVER_DENIED_PENDING_MAX) {
+			conn_send_status(c, 0, BB_ERR_DENIED, msg);
+			conn_doom(c, msg);
+		}
+		return 0;
+	}
+	broker_error err;
+	c->bc = broker_conn_open(s->b, uid, gid, pid, &err);
+	if (!c->bc) {
+		log_warn("event=connection_refused conn=%llu uid=%u pid=%u error=\"%s\"",
+			 (unsigned long long)c->serial, c->uid, c->pid, err.msg);
+		conn_send_status(c, 0, BB_ERR_NO_MEMORY, err.msg);
+		conn_doom(c, err.msg);
+		return 0;
+	}
+	log_info("event=connection_opened conn=%llu uid=%u gid=%u pid=%u",
+		 (unsigned long long)c->serial, c->uid, c->gid, c->pid);
+	return 0;
+}
+
 static void on_accept(uv_poll_t *p, int status, int events)
 {
 	server *s = p->data;
@@ -190,23 +282,10 @@ static void on_accept(uv_poll_t *p, int status, int events)
 			close(fd);
 			continue;
 		}
-		conn *c = conn_start(s, fd, cred.uid, cred.gid, (uint32_t)cred.pid);
-		if (!c) {
+		if (server_add_conn(s, fd, cred.uid, cred.gid, (uint32_t)cred.pid) < 0) {
 			log_error("event=accept_failed error=\"out of memory\"");
 			close(fd);
-			continue;
 		}
-		broker_error err;
-		c->bc = broker_conn_open(s->b, cred.uid, cred.gid, (uint32_t)cred.pid, &err);
-		if (!c->bc) {
-			log_warn("event=connection_refused conn=%llu uid=%u pid=%u error=\"%s\"",
-				 (unsigned long long)c->serial, c->uid, c->pid, err.msg);
-			conn_send_status(c, 0, BB_ERR_NO_MEMORY, err.msg);
-			conn_doom(c, err.msg);
-			continue;
-		}
-		log_info("event=connection_opened conn=%llu uid=%u gid=%u pid=%u",
-			 (unsigned long long)c->serial, c->uid, c->gid, c->pid);
 	}
 }
 
@@ -216,6 +295,49 @@ static void on_token_timer(uv_timer_t *t)
 	uint64_t next = broker_expire_tokens(s->b);
 	if (next != UINT64_MAX)
 		uv_timer_start(&s->token_timer, on_token_timer, next, 0);
+}
+
+/* The send-timeout sweep: close each connection whose queued output has
+ * not moved for send_timeout_ms (its client stopped reading; backpressure
+ * keeps its queue short, so the queue limit alone would never close it),
+ * and run again when the next one could be due. */
+static void on_send_timer(uv_timer_t *t)
+{
+	server *s = t->data;
+	uint64_t now = uv_now(s->loop), limit = s->cfg.send_timeout_ms, next = UINT64_MAX;
+	conn *c;
+	DL_FOREACH (s->conns, c) {
+		if (!c->out_head || c->doomed || c->closed)
+			continue;
+		uint64_t still = now - c->out_moved_ms;
+		if (still < limit) {
+			if (limit - still < next)
+				next = limit - still;
+			continue;
+		}
+		char why[192];
+		log_warn("event=send_timeout conn=%llu uid=%u pid=%u queued=%llu stalled_ms=%llu "
+			 "limit_ms=%llu",
+			 (unsigned long long)c->serial, c->uid, c->pid,
+			 (unsigned long long)c->out_bytes, (unsigned long long)still,
+			 (unsigned long long)limit);
+		metrics_refused(&s->counters, METRICS_LIMIT_SEND_TIMEOUT);
+		snprintf(why, sizeof(why),
+			 "client read none of its %llu bytes of queued responses for %llu ms; the "
+			 "limit is %llu ms (--send-timeout)",
+			 (unsigned long long)c->out_bytes, (unsigned long long)still,
+			 (unsigned long long)limit);
+		conn_doom(c, why);
+	}
+	if (next != UINT64_MAX)
+		uv_timer_start(&s->send_timer, on_send_timer, next, 0);
+}
+
+void server_output_queued(server *s)
+{
+	if (s->stopping || uv_is_active((uv_handle_t *)&s->send_timer))
+		return;
+	uv_timer_start(&s->send_timer, on_send_timer, s->cfg.send_timeout_ms, 0);
 }
 
 void server_tokens_changed(server *s)
@@ -232,9 +354,21 @@ void server_tokens_changed(server *s)
 		uv_timer_start(&s->token_timer, on_token_timer, next, 0);
 }
 
+static void on_reap_soon(uv_idle_t *h)
+{
+	(void)h; /* being active is its whole job: the loop polls without blocking */
+}
+
+void server_reap_soon(server *s)
+{
+	if (!s->stopping && !uv_is_active((uv_handle_t *)&s->reap_soon))
+		uv_idle_start(&s->reap_soon, on_reap_soon);
+}
+
 static void on_reap(uv_check_t *h)
 {
 	server *s = h->data;
+	uv_idle_stop(&s->reap_soon);
 	if (s->retry_allocs) {
 		s->retry_allocs = false;
 		handler_retry_allocs(s);
@@ -342,7 +476,9 @@ static void start_cuda(server *s)
 	}
 }
 
-int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
+/* What server_start and server_start_detached share: the broker, the
+ * backends, the buffers, the token timer and the reaper. */
+static int server_init(server *s, uv_loop_t *loop, const server_config *cfg)
 {
 	memset(s, 0, sizeof(*s));
 	s->loop = loop;
@@ -360,6 +496,23 @@ int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
 	broker_set_backend(s->b, BB_HOST, s->host, NULL);
 	start_cuda(s);
 
+	uv_timer_init(loop, &s->token_timer);
+	s->token_timer.data = s;
+	uv_timer_init(loop, &s->send_timer);
+	s->send_timer.data = s;
+	uv_check_init(loop, &s->reaper);
+	s->reaper.data = s;
+	uv_check_start(&s->reaper, on_reap);
+	uv_idle_init(loop, &s->reap_soon);
+	s->reap_soon.data = s;
+	s->started_ms = uv_now(loop);
+	return 0;
+}
+
+int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
+{
+	if (server_init(s, loop, cfg) < 0)
+		return -1;
 	int passed = take_passed_socket(s);
 	if (passed < 0)
 		return -1;
@@ -369,17 +522,11 @@ int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
 	uv_poll_init(loop, &s->listen_poll, s->listen_fd);
 	s->listen_poll.data = s;
 	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
-	uv_timer_init(loop, &s->token_timer);
-	s->token_timer.data = s;
-	uv_check_init(loop, &s->reaper);
-	s->reaper.data = s;
-	uv_check_start(&s->reaper, on_reap);
 	uv_signal_init(loop, &s->sigterm);
 	uv_signal_init(loop, &s->sigint);
 	s->sigterm.data = s->sigint.data = s;
 	uv_signal_start(&s->sigterm, on_signal, SIGTERM);
 	uv_signal_start(&s->sigint, on_signal, SIGINT);
-	s->started_ms = uv_now(loop);
 
 	log_info("event=listening socket=\"%s\" activation=%s max_datagram=%u",
 		 passed ? "(passed by systemd)" : s->cfg.socket_path, passed ? "systemd" : "none",
@@ -388,11 +535,23 @@ int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
 	return 0;
 }
 
+int server_start_detached(server *s, uv_loop_t *loop, const server_config *cfg)
+{
+	return server_init(s, loop, cfg);
+}
+
 void server_reload(server *s, const server_config *cfg)
 {
 	s->cfg.limits = cfg->limits;
 	s->cfg.queue_bytes = cfg->queue_bytes;
+	s->cfg.send_timeout_ms = cfg->send_timeout_ms;
+	s->cfg.conn_inflight = cfg->conn_inflight;
+	s->cfg.allow_uids = cfg->allow_uids;
+	s->cfg.allow_gids = cfg->allow_gids;
 	broker_set_limits(s->b, &cfg->limits);
+	/* A connection paused at the old in-flight limit may read again. */
+	for (conn *c = s->conns; c; c = c->next)
+		conn_update(c);
 }
 
 static void close_walk(uv_handle_t *h, void *arg)

@@ -8,21 +8,23 @@ BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # Everything the build, the tests and the demo need on Debian 12.
 # systemd provides systemd-analyze and systemd-socket-activate; clang builds
-# the fuzz target; python3, python3-pytest and python3-numpy run the Python
-# binding's tests; redis-server, libhiredis-dev and gnuplot-nox are the
-# benchmark's Redis baseline and plots (bench/run.sh); libmicrohttpd serves
-# the metrics endpoint and curl scrapes it in its test; dpkg-dev
-# (dpkg-shlibdeps) and file let cpack compute the .deb packages' Depends
-# (scripts/package-test.sh).
+# the fuzz target and libclang-rt-dev holds its libFuzzer runtime; python3,
+# python3-pytest and python3-numpy run the Python binding's tests;
+# redis-server, libhiredis-dev and gnuplot-nox are the benchmark's Redis
+# baseline and plots (bench/run.sh); libmicrohttpd serves the metrics
+# endpoint and curl scrapes it in its test; dpkg-dev (dpkg-shlibdeps) and
+# file let cpack compute the .deb packages' Depends (scripts/package-test.sh);
+# valgrind runs the integration tests under memcheck (scripts/valgrind.sh).
 BB_PACKAGES=(
 	build-essential cmake pkg-config
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
 	libcriterion-dev libsystemd-dev uthash-dev libinih-dev
 	libmicrohttpd-dev curl
-	systemd clang
+	systemd clang libclang-rt-dev
 	python3 python3-pytest python3-numpy
 	redis-server libhiredis-dev gnuplot-nox
 	dpkg-dev file
+	valgrind
 )
 
 bb_log()

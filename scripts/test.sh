@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Install the build dependencies (Debian), build, and run the whole test
 # suite twice: a RelWithDebInfo build, then an AddressSanitizer +
-# UndefinedBehaviorSanitizer build; then, as root, build, install and purge
-# the Debian packages (scripts/package-test.sh). Exits non-zero if anything
-# fails.
+# UndefinedBehaviorSanitizer build; then fuzz the daemon's request path
+# with libFuzzer for a bounded time when clang is present (tests/fuzz/run.sh);
+# then the first build's integration tests under valgrind memcheck
+# (scripts/valgrind.sh); then, as root, build, install and purge the Debian
+# packages (scripts/package-test.sh). Exits non-zero if anything fails.
 #
 # Usage: sudo ./scripts/test.sh        (root or sudo only to install packages)
-# Build trees: build/, build-asan/ and build-pkg/ (BUFBROKER_BUILD_DIR=DIR:
-# DIR, DIR-asan, DIR-pkg).
+# Build trees: build/, build-asan/, build-fuzz/ and build-pkg/
+# (BUFBROKER_BUILD_DIR=DIR: DIR, DIR-asan, DIR-fuzz, DIR-pkg).
 set -euo pipefail
 
 # shellcheck source=scripts/lib.sh
@@ -68,6 +70,40 @@ export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 if ! run_suite asan "$BB_BUILD_DIR-asan" Debug -DBB_SANITIZE=ON; then
 	failed=1
 fi
+
+# The fuzz target under libFuzzer for a bounded time (tests/fuzz/run.sh;
+# FUZZ_TIME seconds, default 60, on FUZZ_JOBS cores, default 2). A finding
+# fails and is copied into tests/fuzz/regressions/ to be committed. Needs
+# clang with its libFuzzer runtime; skipped without.
+fuzz_label="fuzz ($BB_BUILD_DIR-fuzz, clang libFuzzer + ASan + UBSan, ${FUZZ_TIME:-60} s x ${FUZZ_JOBS:-2})"
+if ! command -v clang >/dev/null 2>&1; then
+	summary+=("$fuzz_label: SKIP (no clang)")
+else
+	fuzz_rc=0
+	tests/fuzz/run.sh || fuzz_rc=$?
+	case "$fuzz_rc" in
+	0) summary+=("$fuzz_label: PASS") ;;
+	77) summary+=("$fuzz_label: SKIP (see the SKIP line above)") ;;
+	*)
+		summary+=("$fuzz_label: FAIL (see above; commit what it put in tests/fuzz/regressions/)")
+		failed=1
+		;;
+	esac
+fi
+
+# The integration tests under valgrind memcheck, every process they start
+# traced (scripts/valgrind.sh), against the release build above.
+vg_label="valgrind ($BB_BUILD_DIR, memcheck --trace-children=yes, integration tests)"
+vg_rc=0
+scripts/valgrind.sh "$BB_BUILD_DIR" || vg_rc=$?
+case "$vg_rc" in
+0) summary+=("$vg_label: PASS") ;;
+77) summary+=("$vg_label: SKIP (valgrind is not installed)") ;;
+*)
+	summary+=("$vg_label: FAIL (see above)")
+	failed=1
+	;;
+esac
 
 # The Debian packages: build, dpkg -i, serve, build the examples against
 # them, purge (scripts/package-test.sh). Root only: it installs packages.

@@ -51,12 +51,28 @@ void bbt_sleep_ms(int ms)
 		;
 }
 
+int bbt_slow(void)
+{
+	static int factor;
+	if (!factor) {
+		const char *env = getenv("BBT_SLOW");
+		long f = env ? strtol(env, NULL, 10) : 1;
+		factor = f >= 1 && f <= 1000 ? (int)f : 1;
+	}
+	return factor;
+}
+
+int bbt_ms(int ms)
+{
+	return ms <= 0 ? ms : ms * bbt_slow();
+}
+
 /* ---- the daemon ------------------------------------------------------- */
 
 /* Waitpid without blocking for up to timeout_ms: the status, or -1. */
 static int reap_within(pid_t pid, int timeout_ms, int *status)
 {
-	int64_t deadline = bbt_now_ms() + timeout_ms;
+	int64_t deadline = bbt_now_ms() + bbt_ms(timeout_ms);
 	for (;;) {
 		pid_t r = waitpid(pid, status, WNOHANG);
 		if (r == pid)
@@ -116,7 +132,7 @@ static pid_t spawn_daemon(bbt_daemon *d)
 
 static void wait_listening(bbt_daemon *d)
 {
-	int64_t deadline = bbt_now_ms() + BBT_START_TIMEOUT_MS;
+	int64_t deadline = bbt_now_ms() + bbt_ms(BBT_START_TIMEOUT_MS);
 	for (;;) {
 		int status;
 		pid_t r = waitpid(d->pid, &status, WNOHANG);
@@ -133,7 +149,7 @@ static void wait_listening(bbt_daemon *d)
 		if (bbt_now_ms() >= deadline) {
 			bbt_dump_log(d);
 			cr_assert_fail("bufbrokerd did not accept on %s within %d ms", d->sock,
-				       BBT_START_TIMEOUT_MS);
+				       bbt_ms(BBT_START_TIMEOUT_MS));
 		}
 		bbt_sleep_ms(10);
 	}
@@ -191,7 +207,7 @@ void bbt_stop_clean(bbt_daemon *d)
 	if (status == -1) {
 		bbt_dump_log(d);
 		cr_assert_fail("bufbrokerd did not exit within %d ms of SIGTERM",
-			       BBT_STOP_TIMEOUT_MS);
+			       bbt_ms(BBT_STOP_TIMEOUT_MS));
 	}
 	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
 		bbt_dump_log(d);
@@ -258,7 +274,7 @@ static bool log_has_line(const bbt_daemon *d, size_t from, const char *const *ne
 
 bool bbt_log_wait_line(const bbt_daemon *d, size_t from, int timeout_ms, const char *const *needles)
 {
-	int64_t deadline = bbt_now_ms() + timeout_ms;
+	int64_t deadline = bbt_now_ms() + bbt_ms(timeout_ms);
 	for (;;) {
 		if (log_has_line(d, from, needles))
 			return true;
@@ -289,6 +305,37 @@ int bbt_daemon_memfds(const bbt_daemon *d)
 	}
 	closedir(dp);
 	return n;
+}
+
+int bbt_daemon_fds(const bbt_daemon *d)
+{
+	char dir[64];
+	int n = 0;
+	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)d->pid);
+	DIR *dp = opendir(dir);
+	if (!dp)
+		return -1;
+	struct dirent *e;
+	while ((e = readdir(dp)))
+		if (e->d_name[0] != '.')
+			n++;
+	closedir(dp);
+	return n;
+}
+
+long bbt_daemon_rss_kb(const bbt_daemon *d)
+{
+	char path[64], line[256];
+	long kb = -1;
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)d->pid);
+	FILE *f = fopen(path, "re");
+	if (!f)
+		return -1;
+	while (fgets(line, sizeof(line), f))
+		if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
+			break;
+	fclose(f);
+	return kb;
 }
 
 static void remove_dir(const char *dir)
@@ -342,6 +389,16 @@ pid_t bbt_spawn(int (*fn)(void *arg), void *arg)
 	return pid;
 }
 
+/* What bbt_abandon keeps reachable (volatile: the stores must happen). */
+static const void *volatile g_abandoned[16];
+static int g_nabandoned;
+
+void bbt_abandon(const void *p)
+{
+	if (g_nabandoned < 16)
+		g_abandoned[g_nabandoned++] = p;
+}
+
 int bbt_join(pid_t pid, int timeout_ms)
 {
 	int status;
@@ -390,7 +447,7 @@ int bbt_send(int fd, const void *p, size_t n)
 int bbt_recv(int fd, void *p, size_t n, int timeout_ms)
 {
 	char *b = p;
-	int64_t deadline = timeout_ms < 0 ? 0 : bbt_now_ms() + timeout_ms;
+	int64_t deadline = timeout_ms < 0 ? 0 : bbt_now_ms() + bbt_ms(timeout_ms);
 	while (n > 0) {
 		struct pollfd pfd = {.fd = fd, .events = POLLIN};
 		int wait = -1;
@@ -418,7 +475,7 @@ int bbt_recv(int fd, void *p, size_t n, int timeout_ms)
 
 int bbt_stat_until_gone(bb_client *c, uint64_t id, int timeout_ms)
 {
-	int64_t deadline = bbt_now_ms() + timeout_ms;
+	int64_t deadline = bbt_now_ms() + bbt_ms(timeout_ms);
 	for (;;) {
 		bb_info info;
 		int rc = bb_stat(c, id, &info);
@@ -437,7 +494,7 @@ int64_t bbt_refs(bb_client *c, uint64_t id)
 
 int64_t bbt_refs_until(bb_client *c, uint64_t id, uint64_t want, int timeout_ms)
 {
-	int64_t deadline = bbt_now_ms() + timeout_ms;
+	int64_t deadline = bbt_now_ms() + bbt_ms(timeout_ms);
 	for (;;) {
 		int64_t refs = bbt_refs(c, id);
 		if (refs == (int64_t)want || bbt_now_ms() >= deadline)
@@ -480,9 +537,33 @@ int bbt_server_totals(bb_client *c, bbt_totals *out)
 	return rc;
 }
 
+int bbt_check_problems(bb_client *c)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Check op = BUFBROKER__CHECK__INIT;
+	Bufbroker__Response *resp = NULL;
+
+	req.op_case = BUFBROKER__REQUEST__OP_CHECK;
+	req.check = &op;
+	int rc = bbc_call(c, &req, -1, &resp, NULL);
+	if (rc != 0)
+		return rc;
+	if (!resp->status || resp->status->code != 0) {
+		rc = resp->status ? resp->status->code : BB_ERR_PROTOCOL;
+	} else if (resp->result_case != BUFBROKER__RESPONSE__RESULT_CHECK || !resp->check) {
+		rc = BB_ERR_PROTOCOL;
+	} else {
+		rc = (int)resp->check->problems;
+		for (size_t i = 0; i < resp->check->n_report; i++)
+			fprintf(stderr, "check: %s\n", resp->check->report[i]);
+	}
+	bbc_response_free(resp);
+	return rc;
+}
+
 bool bbt_totals_until_idle(bb_client *c, uint32_t conns, int timeout_ms, bbt_totals *last)
 {
-	int64_t deadline = bbt_now_ms() + timeout_ms;
+	int64_t deadline = bbt_now_ms() + bbt_ms(timeout_ms);
 	for (;;) {
 		int rc = bbt_server_totals(c, last);
 		if (rc == 0 && last->buffers == 0 && last->bytes == 0 && last->tokens == 0 &&

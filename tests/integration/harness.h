@@ -59,6 +59,10 @@ bool bbt_log_wait_line(const bbt_daemon *d, size_t from, int timeout_ms,
 		       const char *const *needles);
 /* memfds the daemon process has open (from /proc/PID/fd), or -1. */
 int bbt_daemon_memfds(const bbt_daemon *d);
+/* Every fd the daemon process has open (from /proc/PID/fd), or -1. */
+int bbt_daemon_fds(const bbt_daemon *d);
+/* The daemon's resident memory in KiB (VmRSS in /proc/PID/status), or -1. */
+long bbt_daemon_rss_kb(const bbt_daemon *d);
 /* Kill any daemon still running and remove the temporary directories.
  * Use as every suite's .fini. */
 void bbt_cleanup(void);
@@ -70,6 +74,11 @@ bb_client *bbt_connect(const bbt_daemon *d);
 
 /* Fork; the child runs fn(arg) and _exits with its return value. */
 pid_t bbt_spawn(int (*fn)(void *arg), void *arg);
+/* For a child that exits on purpose without cleaning up (a client that
+ * "vanishes" holding its connection): keep p reachable until the process
+ * ends, so that a leak checker (valgrind) counts what hangs off it as
+ * still reachable, not lost. Does nothing else; at most 16 pointers. */
+void bbt_abandon(const void *p);
 /* Reap pid: its exit code, 128 + signal number when a signal killed it,
  * or -1 when it was still running after timeout_ms (it is then killed). */
 int bbt_join(pid_t pid, int timeout_ms);
@@ -90,6 +99,16 @@ int bbt_recv(int fd, void *p, size_t n, int timeout_ms);
 
 int64_t bbt_now_ms(void);
 void bbt_sleep_ms(int ms);
+/* How much slower than usual this run is: $BBT_SLOW, a whole factor (e.g.
+ * 20 under valgrind); 1 when unset or not a number >= 1. scripts/valgrind.sh
+ * also sets $BBT_VALGRIND=1 (every traced process is then named after the
+ * tool in /proc/PID/comm). */
+int bbt_slow(void);
+/* ms times bbt_slow() (0 and negative values unchanged). Every timeout the
+ * harness takes (start, stop, join, receive, the *_until polls) is scaled
+ * already; use this for a test's own bounds on how long something may take
+ * to happen, never for a delay the daemon must honour. */
+int bbt_ms(int ms);
 
 /* ---- daemon state through a client ------------------------------------- */
 
@@ -114,6 +133,10 @@ typedef struct bbt_totals {
 } bbt_totals;
 /* 0 or the bbc_call / Status error. */
 int bbt_server_totals(bb_client *c, bbt_totals *out);
+/* The daemon's invariant check (the Check request): the number of
+ * problems it found, each of its sentences printed to stderr after
+ * "check: ", or the negative bbc_call / Status error. */
+int bbt_check_problems(bb_client *c);
 /* Poll ServerStatus until buffers, tokens and waits are all 0 and
  * connections == conns; returns true when reached, *last gets the last
  * answer. */

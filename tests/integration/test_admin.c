@@ -482,7 +482,9 @@ Test(admin, clients_reports_pid_uid_process_and_holdings_of_each_connection)
 	cr_assert_eq(count_of(r->out, "\"self\":true"), 1, "%s", r->out);
 	cr_assert(json_object_with(r->out, "\"self\":true", obj, sizeof(obj)));
 	json_text(obj, "process", text, sizeof(text));
-	cr_assert_str_eq(text, "bufbroker", "%s", obj);
+	/* Under valgrind (scripts/valgrind.sh) a process is named after the tool. */
+	if (!getenv("BBT_VALGRIND") || strncmp(text, "memcheck", 8) != 0)
+		cr_assert_str_eq(text, "bufbroker", "%s", obj);
 	cr_assert(client_row(r->out, getpid(), obj, sizeof(obj)), "%s", r->out);
 	cr_assert_eq(count_of(r->out, "\"conn\":"), 4, "four connections: %s", r->out);
 	free(r);

@@ -775,6 +775,7 @@ static int vanishing_producer_child(void *arg)
 		return 13;
 	if (bbt_recv(x->ch.fd[1], &go, 1, CHILD_TIMEOUT_MS) != 0)
 		return 14;
+	bbt_abandon(c);
 	return 0; /* _exit without bb_disconnect: the kernel closes the socket */
 }
 

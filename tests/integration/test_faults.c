@@ -357,6 +357,200 @@ Test(faults, every_call_answers_disconnected_promptly_after_daemon_death)
 	bb_disconnect(c);
 }
 
+/* Several threads of one client busy with every kind of call when the
+ * daemon is SIGKILLed: each thread's call in flight and every call after
+ * answer BB_ERR_DISCONNECTED within PROMPT_MS, none hangs, and each
+ * thread's mapped buffers keep their bytes. */
+#define LOADERS 6
+#define AFTER_DEATH_CALLS 40 /* calls each thread makes once it saw the death */
+
+struct loader {
+	bb_client *c;
+	int index;
+	uint64_t shared_id;    /* a PENDING buffer of the test's: open and wait on it */
+	atomic_int *ops;       /* successful calls by every thread */
+	int64_t first_disc_ms; /* when this thread first got BB_ERR_DISCONNECTED */
+	int64_t slowest_after; /* the slowest call that started after first_disc_ms */
+	int after;             /* calls made after first_disc_ms */
+	int bad_rc;            /* an answer no call may give (0: none) */
+	char bad_what[64];
+	bool mapping_changed; /* a mapped buffer's bytes changed after the death */
+};
+
+static _Atomic int64_t g_killed_ms;
+
+/* rc of one call by a loader: counts it, records a wrong answer, and
+ * returns true when the daemon is gone. */
+static bool loader_saw(struct loader *l, const char *what, int rc, int64_t t0)
+{
+	int64_t now = bbt_now_ms();
+	if (rc == BB_ERR_DISCONNECTED) {
+		if (!l->first_disc_ms)
+			l->first_disc_ms = now;
+		else if (now - t0 > l->slowest_after)
+			l->slowest_after = now - t0;
+		return true;
+	}
+	if (l->first_disc_ms || atomic_load(&g_killed_ms)) {
+		/* Calls that completed before the kill may still succeed; none
+		 * may after the thread saw DISCONNECTED once. */
+		if (l->first_disc_ms && !l->bad_rc) {
+			l->bad_rc = rc == 0 ? 1 : rc;
+			snprintf(l->bad_what, sizeof(l->bad_what), "%s after DISCONNECTED", what);
+		}
+		return false;
+	}
+	if (rc != 0 && rc != BB_ERR_TIMEOUT && rc != BB_ERR_NOT_FOUND && !l->bad_rc) {
+		l->bad_rc = rc;
+		snprintf(l->bad_what, sizeof(l->bad_what), "%s", what);
+	}
+	if (rc == 0)
+		atomic_fetch_add(l->ops, 1);
+	return false;
+}
+
+#define LOAD_CALL(l, what, expr)                                  \
+	do {                                                      \
+		int64_t t0_ = bbt_now_ms();                       \
+		if (loader_saw((l), (what), (expr), t0_))         \
+			(l)->after += (l)->first_disc_ms ? 1 : 0; \
+	} while (0)
+
+static void *loader_thread(void *arg)
+{
+	struct loader *l = arg;
+	bb_buf *keep[4] = {NULL};
+	void *keep_map[4] = {NULL};
+	size_t keep_size = 8192;
+	uint32_t seed = 1000u + (uint32_t)l->index;
+
+	/* Buffers this thread maps and must still read after the death. */
+	for (int i = 0; i < 4; i++) {
+		bb_alloc_opts o = {.size = keep_size, .kind = BB_HOST};
+		if (bb_alloc(l->c, &o, &keep[i]) != 0 || bb_map(keep[i], &keep_map[i]) != 0) {
+			l->bad_rc = 1;
+			snprintf(l->bad_what, sizeof(l->bad_what), "setting up");
+			return NULL;
+		}
+		bbt_fill(keep_map[i], keep_size, seed + (uint32_t)i);
+	}
+	for (unsigned i = 0; l->after < AFTER_DEATH_CALLS; i++) {
+		bb_alloc_opts o = {.size = 4096u << (i % 4), .kind = BB_HOST};
+		bb_buf *b = NULL, *q = NULL;
+		bb_token t;
+		bb_info info;
+		bb_state st;
+		void *m;
+		int rc;
+
+		if (l->first_disc_ms && bbt_now_ms() - l->first_disc_ms > 5000)
+			break; /* reported as too few calls */
+		LOAD_CALL(l, "bb_alloc", rc = bb_alloc(l->c, &o, &b));
+		if (rc == 0) {
+			if (bb_map(b, &m) == 0)
+				memset(m, (int)i, o.size);
+			bb_buf *extra = bb_ref(b);
+			LOAD_CALL(l, "bb_take", rc = bb_take(extra, &t));
+			if (rc != 0)
+				bb_unref(extra);
+			else
+				LOAD_CALL(l, "bb_adopt", rc = bb_adopt(l->c, &t, &q));
+			if (rc == 0 && q)
+				bb_unref(q);
+			LOAD_CALL(l, "bb_retain", bb_retain(l->c, bb_id(b), 1));
+			LOAD_CALL(l, "bb_release", bb_release(l->c, bb_id(b), 1));
+			LOAD_CALL(l, "bb_set_ready", bb_set_ready(b));
+			LOAD_CALL(l, "bb_wait", bb_wait(b, 0, &st));
+			bb_unref(b); /* the last count: a Release without an answer */
+		}
+		q = NULL;
+		LOAD_CALL(l, "bb_open", rc = bb_open(l->c, l->shared_id, &q));
+		if (rc == 0) {
+			/* One thread parks for long; the others briefly. */
+			LOAD_CALL(l, "bb_wait(timeout)",
+				  bb_wait(q, l->index == 0 ? 60000 : (int)(i % 20), &st));
+			bb_unref(q);
+		}
+		LOAD_CALL(l, "bb_stat", bb_stat(l->c, bb_id(keep[i % 4]), &info));
+		LOAD_CALL(l, "bb_open_name", rc = bb_open_name(l->c, "bbt-no-such-name", &q));
+	}
+	for (int i = 0; i < 4; i++) {
+		if (!bbt_check(keep_map[i], keep_size, seed + (uint32_t)i))
+			l->mapping_changed = true;
+		int64_t t0 = bbt_now_ms();
+		bb_unref(keep[i]);
+		if (bbt_now_ms() - t0 > l->slowest_after)
+			l->slowest_after = bbt_now_ms() - t0;
+	}
+	return NULL;
+}
+
+Test(faults, daemon_killed_under_load_every_busy_thread_answers_disconnected_promptly)
+{
+	default_sigpipe();
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	struct loader l[LOADERS];
+	pthread_t th[LOADERS];
+	atomic_int ops = 0;
+	int prompt = bbt_ms(PROMPT_MS);
+
+	bb_buf *shared = alloc_host(c, 4096, "bbt-load-pending");
+	atomic_store(&g_killed_ms, 0);
+	for (int i = 0; i < LOADERS; i++) {
+		l[i] = (struct loader){.c = c, .index = i, .shared_id = bb_id(shared), .ops = &ops};
+		cr_assert_eq(pthread_create(&th[i], NULL, loader_thread, &l[i]), 0);
+	}
+	/* Under load: every thread at work, one parked in a long wait. */
+	int64_t deadline = bbt_now_ms() + bbt_ms(5000);
+	while (atomic_load(&ops) < 500 && bbt_now_ms() < deadline)
+		bbt_sleep_ms(5);
+	cr_assert_geq(atomic_load(&ops), 500, "the threads got little done: %d calls",
+		      atomic_load(&ops));
+
+	int64_t killed = bbt_now_ms();
+	atomic_store(&g_killed_ms, killed);
+	bbt_kill(d);
+	for (int i = 0; i < LOADERS; i++)
+		join_thread_within(th[i], bbt_ms(5000) / 1000,
+				   "a busy thread after the daemon died");
+
+	for (int i = 0; i < LOADERS; i++) {
+		cr_assert_eq(l[i].bad_rc, 0, "thread %d: %s answered %d", i, l[i].bad_what,
+			     l[i].bad_rc);
+		cr_assert_neq(l[i].first_disc_ms, 0, "thread %d never saw BB_ERR_DISCONNECTED", i);
+		cr_assert_lt(l[i].first_disc_ms - killed, prompt,
+			     "thread %d saw BB_ERR_DISCONNECTED %lld ms after the kill", i,
+			     (long long)(l[i].first_disc_ms - killed));
+		cr_assert_geq(l[i].after, AFTER_DEATH_CALLS,
+			      "thread %d made only %d calls in 5 s after the death", i, l[i].after);
+		cr_assert_lt(l[i].slowest_after, prompt,
+			     "thread %d: a call after the death took %lld ms", i,
+			     (long long)l[i].slowest_after);
+		cr_assert(!l[i].mapping_changed, "thread %d: a mapped buffer changed", i);
+	}
+	bb_unref(shared);
+
+	/* A restarted daemon: the dead connection stays dead (no silent
+	 * reconnect into a daemon that knows none of its buffers), a new one
+	 * works, and the new daemon starts from nothing. */
+	bbt_restart(d);
+	bb_buf *b = NULL;
+	bb_alloc_opts o = {.size = 4096, .kind = BB_HOST};
+	cr_assert_eq(bb_alloc(c, &o, &b), BB_ERR_DISCONNECTED,
+		     "the old connection after the restart");
+	bb_disconnect(c);
+	c = bbt_connect(d);
+	bbt_totals t;
+	cr_assert(bbt_totals_until_idle(c, 1, 2000, &t), "a restarted daemon holds %llu buffers",
+		  (unsigned long long)t.buffers);
+	b = alloc_host(c, 4096, "bbt-load-pending"); /* the name is free again */
+	cr_assert_eq(bbt_check_problems(c), 0, "the restarted daemon's invariant check");
+	bb_unref(b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
 /* Maps the parent's buffer, reports, then (after the daemon died) checks
  * that the mapping still shares bytes with the parent. */
 static int sharer_child(void *arg)
