@@ -26,6 +26,7 @@
 #include <uthash.h>
 #include <utlist.h>
 
+#include "size.h"
 #include "backend_cuda.h"
 #include "bufbroker/bufbroker.h"
 #include "cuda_api.h"
@@ -149,21 +150,10 @@ typedef struct settle_job {
 	cuda_backend *cu; /* owner */
 } settle_job;
 
-static const char *human(uint64_t n, char out[32])
+/* "9.0 GiB": sizes in messages. */
+static const char *human(uint64_t n, char out[BB_SIZE_TEXT])
 {
-	static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-	double v = (double)n;
-	int u = 0;
-	if (n < 1024) {
-		snprintf(out, 32, "%" PRIu64 " B", n);
-		return out;
-	}
-	while (v >= 1024 && u < 5) {
-		v /= 1024;
-		u++;
-	}
-	snprintf(out, 32, "%.1f %s", v, units[u]);
-	return out;
+	return bb_size_format(n, out, BB_SIZE_TEXT);
 }
 
 static uint64_t align_up(uint64_t v, uint64_t a)

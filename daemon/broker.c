@@ -3,6 +3,7 @@
  * limits. Pure: the only calls out are to the backends' vtables and to the
  * configured clock and random source. See broker.h for the rules.
  */
+#include "size.h"
 #include "broker.h"
 
 #include <errno.h>
@@ -130,22 +131,10 @@ static const char *kind_name(bb_kind kind)
 	return kind == BB_HOST ? "host" : kind == BB_CUDA ? "cuda" : "unknown";
 }
 
-/* "9.0 GiB": sizes in limit messages. */
-static const char *human(uint64_t n, char out[32])
+/* "9.0 GiB": sizes in messages. */
+static const char *human(uint64_t n, char out[BB_SIZE_TEXT])
 {
-	static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-	double v = (double)n;
-	int u = 0;
-	if (n < 1024) {
-		snprintf(out, 32, "%" PRIu64 " B", n);
-		return out;
-	}
-	while (v >= 1024 && u < 5) {
-		v /= 1024;
-		u++;
-	}
-	snprintf(out, 32, "%.1f %s", v, units[u]);
-	return out;
+	return bb_size_format(n, out, BB_SIZE_TEXT);
 }
 
 /* A value and its limit for one message: in one decimal unit each, or in

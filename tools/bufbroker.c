@@ -33,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "size.h"
 #include "bufbroker/bufbroker.h"
 #include "client_internal.h"
 #include "cuda_api.h"
@@ -141,25 +142,7 @@ static int daemon_error_v1_1(int err, const char *command)
 /* "512 B", "4.0 KiB", "64.0 MiB", "1.5 GiB". */
 static void fmt_size(uint64_t n, char *out, size_t cap)
 {
-	static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-	const int last = (int)(sizeof(units) / sizeof(units[0])) - 1;
-	double v = (double)n;
-	int u = 0;
-
-	if (n < 1024) {
-		snprintf(out, cap, "%" PRIu64 " B", n);
-		return;
-	}
-	while (v >= 1024.0 && u < last) {
-		v /= 1024.0;
-		u++;
-	}
-	/* 1023.97 KiB would round to "1024.0 KiB"; say "1.0 MiB" instead. */
-	if (v >= 1023.95 && u < last) {
-		v /= 1024.0;
-		u++;
-	}
-	snprintf(out, cap, "%.1f %s", v, units[u]);
+	bb_size_format(n, out, cap);
 }
 
 /* "250ms" below a second, else "3h 2m 5s" (with days when there are any). */
