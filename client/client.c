@@ -19,6 +19,7 @@
  */
 #include "client_internal.h"
 #include "cuda_api.h"
+#include "flatwire.h"
 #include "msgio.h"
 #include "wire.h"
 
@@ -55,7 +56,10 @@
 /* One request waiting for its response; lives on the caller's stack. */
 struct call {
 	uint64_t id;               /* the request id the response echoes */
-	int done;                  /* resp and fd are set */
+	int done;                  /* resp (or flat) and fd are set */
+	int want_flat;             /* a plain RefsReply may be answered in flat */
+	int flat_ok;               /* flat holds the answer; resp is NULL */
+	flat_refs_resp flat;       /* a successful RefsReply, read by flatwire */
 	Bufbroker__Response *resp; /* the response, owned by the caller */
 	int fd;                    /* the fd attached to it, or -1 */
 	struct call *prev, *next;  /* bb_client.calls */
@@ -151,30 +155,15 @@ static int client_fail_dead(const bb_client *c)
 	return bbc_fail(BB_ERR_DISCONNECTED, "%s", c->dead_msg);
 }
 
-/* Pack and send one request, fd attached unless fd < 0. No lock held. */
-static int client_send(bb_client *c, const Bufbroker__Request *req, int fd)
+/* Send one packed request, fd attached unless fd < 0. No lock held. */
+static int client_send_packed(bb_client *c, const uint8_t *buf, size_t len, int fd)
 {
-	uint8_t stackbuf[SEND_STACK_BYTES];
-	size_t len = bufbroker__request__get_packed_size(req);
-	uint8_t *buf = stackbuf;
 	ssize_t n;
 	char eb[128];
 
-	if (len > c->max_send)
-		return bbc_fail(BB_ERR_INVALID,
-				"request of %zu bytes exceeds the daemon's limit of %zu bytes", len,
-				c->max_send);
-	if (len > sizeof(stackbuf)) {
-		buf = malloc(len);
-		if (!buf)
-			return bbc_fail(BB_ERR_NO_MEMORY, "out of memory packing a request");
-	}
-	bufbroker__request__pack(req, buf);
 	pthread_mutex_lock(&c->send_mu);
 	n = msgio_send(c->sock, buf, len, fd);
 	pthread_mutex_unlock(&c->send_mu);
-	if (buf != stackbuf)
-		free(buf);
 	if (n >= 0)
 		return 0;
 	if (n == -EPIPE || n == -ECONNRESET || n == -ENOTCONN) {
@@ -191,23 +180,67 @@ static int client_send(bb_client *c, const Bufbroker__Request *req, int fd)
 			errstr((int)-n, eb, sizeof(eb)));
 }
 
+/* Pack and send one request, fd attached unless fd < 0. No lock held. */
+static int client_send(bb_client *c, const Bufbroker__Request *req, int fd)
+{
+	uint8_t stackbuf[SEND_STACK_BYTES];
+	size_t len = bufbroker__request__get_packed_size(req);
+	uint8_t *buf = stackbuf;
+	int rc;
+
+	if (len > c->max_send)
+		return bbc_fail(BB_ERR_INVALID,
+				"request of %zu bytes exceeds the daemon's limit of %zu bytes", len,
+				c->max_send);
+	if (len > sizeof(stackbuf)) {
+		buf = malloc(len);
+		if (!buf)
+			return bbc_fail(BB_ERR_NO_MEMORY, "out of memory packing a request");
+	}
+	bufbroker__request__pack(req, buf);
+	rc = client_send_packed(c, buf, len, fd);
+	if (buf != stackbuf)
+		free(buf);
+	return rc;
+}
+
 /* Become the reader for one datagram: drop mu while receiving, then hand
  * the response to the call it answers (or drop it) and wake everyone.
  * Called and returns with mu held; c->reading must be 0. */
 static void client_read_locked(bb_client *c)
 {
 	Bufbroker__Response *r = NULL;
-	int fd = -1, truncated = 0, delivered = 0;
+	int fd = -1, truncated = 0, delivered = 0, flat_ok = 0;
+	flat_refs_resp flat;
+	struct call *k;
 	ssize_t n;
 	char eb[128];
 
 	c->reading = 1;
 	pthread_mutex_unlock(&c->mu);
 	n = msgio_recv(c->sock, c->rbuf, c->rcap, &fd, &truncated);
-	if (n > 0 && !truncated)
-		r = bufbroker__response__unpack(NULL, (size_t)n, c->rbuf);
+	if (n > 0 && !truncated) {
+		flat_ok = fd < 0 && flat_refs_resp_decode(c->rbuf, (size_t)n, &flat);
+		if (!flat_ok)
+			r = bufbroker__response__unpack(NULL, (size_t)n, c->rbuf);
+	}
 	pthread_mutex_lock(&c->mu);
 	c->reading = 0;
+
+	if (flat_ok) {
+		/* A plain RefsReply: a call that asked for flat answers takes it
+		 * as it is; any other (bbc_call's callers) gets it unpacked. */
+		DL_FOREACH (c->calls, k) {
+			if (k->id == flat.id && !k->done && k->want_flat) {
+				k->flat = flat;
+				k->flat_ok = 1;
+				k->done = 1;
+				pthread_cond_broadcast(&c->cv);
+				return;
+			}
+		}
+		r = bufbroker__response__unpack(NULL, (size_t)n, c->rbuf);
+	}
 
 	if (n == 0) {
 		client_die_locked(c, "bufbrokerd closed the connection");
@@ -228,8 +261,6 @@ static void client_read_locked(bb_client *c)
 			r->status && r->status->message[0] ? r->status->message : "no reason given";
 		client_die_locked(c, "bufbrokerd ended the connection: %s", m);
 	} else {
-		struct call *k;
-
 		DL_FOREACH (c->calls, k) {
 			if (k->id == r->id && !k->done) {
 				k->resp = r;
@@ -250,6 +281,53 @@ static void client_read_locked(bb_client *c)
 	pthread_cond_broadcast(&c->cv);
 }
 
+/* Give k its request id and list it, before the request is sent: the
+ * response may be read by another thread before send returns. */
+static int call_register(bb_client *c, struct call *k)
+{
+	int rc = 0;
+
+	pthread_mutex_lock(&c->mu);
+	if (c->dead)
+		rc = client_fail_dead(c);
+	else {
+		k->id = c->next_id++;
+		DL_APPEND(c->calls, k);
+	}
+	pthread_mutex_unlock(&c->mu);
+	return rc;
+}
+
+/* After sending k's request (send_rc, 0 when sent): read until k is
+ * answered or the connection dies, then unlist k. */
+static int call_complete(bb_client *c, struct call *k, int send_rc)
+{
+	int rc = send_rc;
+
+	pthread_mutex_lock(&c->mu);
+	if (rc == 0) {
+		while (!k->done && !c->dead) {
+			if (!c->reading)
+				client_read_locked(c);
+			else
+				pthread_cond_wait(&c->cv, &c->mu);
+		}
+		if (!k->done)
+			rc = client_fail_dead(c);
+	}
+	DL_DELETE(c->calls, k);
+	pthread_mutex_unlock(&c->mu);
+	if (rc && k->resp) {
+		bufbroker__response__free_unpacked(k->resp, NULL);
+		k->resp = NULL;
+	}
+	if (rc && k->fd >= 0) {
+		close(k->fd);
+		k->fd = -1;
+	}
+	return rc;
+}
+
 BB_EXPORT int bbc_call(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker__Response **resp,
 		       int *fd_in)
 {
@@ -266,33 +344,11 @@ BB_EXPORT int bbc_call(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker_
 	if (req->no_reply)
 		return bbc_fail(BB_ERR_INVALID, "bbc_call: a no_reply request gets no response");
 
-	/* Register before sending: the response may be read by another
-	 * thread before send returns. */
-	pthread_mutex_lock(&c->mu);
-	if (c->dead) {
-		rc = client_fail_dead(c);
-		pthread_mutex_unlock(&c->mu);
+	rc = call_register(c, &k);
+	if (rc)
 		return rc;
-	}
-	k.id = req->id = c->next_id++;
-	DL_APPEND(c->calls, &k);
-	pthread_mutex_unlock(&c->mu);
-
-	rc = client_send(c, req, fd);
-
-	pthread_mutex_lock(&c->mu);
-	if (rc == 0) {
-		while (!k.done && !c->dead) {
-			if (!c->reading)
-				client_read_locked(c);
-			else
-				pthread_cond_wait(&c->cv, &c->mu);
-		}
-		if (!k.done)
-			rc = client_fail_dead(c);
-	}
-	DL_DELETE(c->calls, &k);
-	pthread_mutex_unlock(&c->mu);
+	req->id = k.id;
+	rc = call_complete(c, &k, client_send(c, req, fd));
 	if (rc)
 		return rc;
 
@@ -310,6 +366,9 @@ BB_EXPORT void bbc_response_free(Bufbroker__Response *r)
 		bufbroker__response__free_unpacked(r, NULL);
 }
 
+static int response_check(Bufbroker__Response *r, int rfd, Bufbroker__Response__ResultCase want,
+			  Bufbroker__Response **resp, int *fd_in);
+
 /* Round trip req. 0: *resp is a successful response carrying `want` (any
  * result when NOT_SET) and *fd_in its fd or -1 (closed when fd_in is NULL).
  * Otherwise the daemon's code with its message as the last error. */
@@ -322,6 +381,15 @@ static int client_rpc(bb_client *c, Bufbroker__Request *req, int fd,
 	rc = bbc_call(c, req, fd, &r, fd_in ? &rfd : NULL);
 	if (rc)
 		return rc;
+	return response_check(r, rfd, want, resp, fd_in);
+}
+
+/* client_rpc's verdict on the response r (with its fd rfd): r and rfd are
+ * the caller's on success, freed and closed otherwise. */
+static int response_check(Bufbroker__Response *r, int rfd, Bufbroker__Response__ResultCase want,
+			  Bufbroker__Response **resp, int *fd_in)
+{
+	int rc = 0;
 	const Bufbroker__Status *st = r->status;
 	if (!st)
 		rc = bbc_fail(BB_ERR_PROTOCOL, "bufbrokerd sent a response without a status");
@@ -341,6 +409,8 @@ static int client_rpc(bb_client *c, Bufbroker__Request *req, int fd,
 	*resp = r;
 	if (fd_in)
 		*fd_in = rfd;
+	else if (rfd >= 0)
+		close(rfd);
 	return 0;
 }
 
@@ -349,25 +419,20 @@ static int client_rpc(bb_client *c, Bufbroker__Request *req, int fd,
  * daemon released everything when it went. */
 static void client_release_one(bb_client *c, uint64_t id)
 {
-	Bufbroker__Release rel = BUFBROKER__RELEASE__INIT;
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	flat_refs_req rel = {.no_reply = true, .op = FLAT_OP_RELEASE, .buf_id = id, .count = 1};
+	uint8_t buf[FLAT_MAX_BYTES];
 	char saved[sizeof(last_error)];
 
-	rel.id = id;
-	rel.count = 1;
-	req.no_reply = 1;
-	req.op_case = BUFBROKER__REQUEST__OP_RELEASE;
-	req.release = &rel;
 	pthread_mutex_lock(&c->mu);
 	if (c->dead) {
 		pthread_mutex_unlock(&c->mu);
 		return;
 	}
-	req.id = c->next_id++;
+	rel.id = c->next_id++;
 	pthread_mutex_unlock(&c->mu);
 	/* The callers report nothing, so keep the thread's last error. */
 	memcpy(saved, last_error, sizeof(saved));
-	(void)client_send(c, &req, -1);
+	(void)client_send_packed(c, buf, flat_refs_req_encode(&rel, buf), -1);
 	memcpy(last_error, saved, sizeof(saved));
 }
 
@@ -1271,12 +1336,14 @@ BB_EXPORT int bb_stat(bb_client *c, uint64_t id, bb_info *out)
 	return 0;
 }
 
+/* Retain and Release are what busy callers send most: packed and read by
+ * flatwire, not protobuf-c (an error answer still comes unpacked). */
 static int refs_rpc(bb_client *c, uint64_t id, uint32_t count, int release)
 {
-	Bufbroker__Retain ret = BUFBROKER__RETAIN__INIT;
-	Bufbroker__Release rel = BUFBROKER__RELEASE__INIT;
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Response *r;
+	flat_refs_req fr = {.op = release ? FLAT_OP_RELEASE : FLAT_OP_RETAIN, .buf_id = id,
+			    .count = count};
+	struct call k = {.fd = -1, .want_flat = 1};
+	uint8_t buf[FLAT_MAX_BYTES];
 	const char *what = release ? "bb_release" : "bb_retain";
 	int rc;
 
@@ -1284,20 +1351,16 @@ static int refs_rpc(bb_client *c, uint64_t id, uint32_t count, int release)
 		return bbc_fail(BB_ERR_INVALID, "%s: client is required", what);
 	if (count == 0)
 		return bbc_fail(BB_ERR_INVALID, "%s: count must be at least 1", what);
-	if (release) {
-		rel.id = id;
-		rel.count = count;
-		req.op_case = BUFBROKER__REQUEST__OP_RELEASE;
-		req.release = &rel;
-	} else {
-		ret.id = id;
-		ret.count = count;
-		req.op_case = BUFBROKER__REQUEST__OP_RETAIN;
-		req.retain = &ret;
-	}
-	rc = client_rpc(c, &req, -1, BUFBROKER__RESPONSE__RESULT_REFS, &r, NULL);
+	rc = call_register(c, &k);
+	if (rc)
+		return rc;
+	fr.id = k.id;
+	rc = call_complete(c, &k, client_send_packed(c, buf, flat_refs_req_encode(&fr, buf), -1));
+	if (rc || k.flat_ok)
+		return rc;
+	rc = response_check(k.resp, k.fd, BUFBROKER__RESPONSE__RESULT_REFS, &k.resp, NULL);
 	if (rc == 0)
-		bbc_response_free(r);
+		bbc_response_free(k.resp);
 	return rc;
 }
 

@@ -174,6 +174,9 @@ void server_output_queued(server *s);
 /* Send r (with fd attached unless fd < 0; the fd is borrowed) to c. A full
  * socket queues it; a queue over the limit dooms the connection. */
 void conn_send(conn *c, const Bufbroker__Response *r, int fd);
+/* Send a response already packed (len > 0 bytes, at most max_datagram),
+ * as conn_send does. */
+void conn_send_packed(conn *c, const unsigned char *data, size_t len, int fd);
 /* Reply with just a status. */
 void conn_send_status(conn *c, uint64_t req_id, int code, const char *msg);
 /* Close c at the end of this loop turn (safe inside broker callbacks). */
@@ -187,6 +190,12 @@ void conn_update(conn *c);
 /* The request layer (handler.c): act on one decoded request. fd is an fd
  * that came with it or -1; the handler closes it. */
 void handler_request(conn *c, const Bufbroker__Request *req, int fd);
+/* The fast path for the commonest requests, before any protobuf-c: the
+ * op (Request.op_case) when the len bytes at data were a Retain or Release
+ * that c may send now (greeted, admitted, no fd) and have been handled; 0
+ * when the caller must decode them with protobuf-c and call
+ * handler_request. */
+int handler_request_flat(conn *c, const unsigned char *data, size_t len, int fd);
 /* Cancel and free c's parked waits and parked allocs, unanswered (the
  * connection is closing). */
 void handler_drop_waits(conn *c);
