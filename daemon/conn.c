@@ -234,8 +234,10 @@ static void read_one(conn *c, int events)
 	uint64_t t0 = uv_hrtime();
 	int op = handler_request_flat(c, s->rbuf, (size_t)n, fd);
 	if (!op) {
-		Bufbroker__Request *req = bufbroker__request__unpack(NULL, (size_t)n, s->rbuf);
+		Bufbroker__Request *req = bufbroker__request__unpack(&s->arena.pc, (size_t)n, s->rbuf);
 		if (!req) {
+			/* Whatever it had allocated, protobuf-c freed. */
+			bb_arena_reset(&s->arena);
 			if (fd >= 0)
 				close(fd);
 			char msg[96];
@@ -245,7 +247,10 @@ static void read_one(conn *c, int events)
 		}
 		op = (int)req->op_case;
 		handler_request(c, req, fd);
-		bufbroker__request__free_unpacked(req, NULL);
+		/* Only what spilled over the arena needs freeing. */
+		if (s->arena.spilled)
+			bufbroker__request__free_unpacked(req, &s->arena.pc);
+		bb_arena_reset(&s->arena);
 	}
 	metrics_handled(&s->counters, op, uv_hrtime() - t0);
 }

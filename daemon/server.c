@@ -486,10 +486,13 @@ static int server_init(server *s, uv_loop_t *loop, const server_config *cfg)
 	s->listen_fd = -1;
 	s->rbuf = malloc((size_t)cfg->max_datagram + 1);
 	s->sbuf = malloc(cfg->max_datagram);
+	s->abuf = malloc(SERVER_ARENA_BYTES);
+	if (s->abuf)
+		bb_arena_init(&s->arena, s->abuf, SERVER_ARENA_BYTES);
 	broker_config bc = {.limits = cfg->limits};
 	s->b = broker_new(&bc);
 	s->host = backend_host_new();
-	if (!s->rbuf || !s->sbuf || !s->b || !s->host) {
+	if (!s->rbuf || !s->sbuf || !s->abuf || !s->b || !s->host) {
 		log_error("event=start_failed error=\"out of memory\"");
 		return -1;
 	}
@@ -601,4 +604,5 @@ void server_shutdown(server *s)
 		s->host->destroy(s->host);
 	free(s->rbuf);
 	free(s->sbuf);
+	free(s->abuf);
 }

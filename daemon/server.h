@@ -11,6 +11,7 @@
 #include <sys/types.h>
 #include <uv.h>
 
+#include "arena.h"
 #include "backend_cuda.h"
 #include "broker.h"
 #include "bufbroker.pb-c.h"
@@ -106,6 +107,10 @@ struct parked_alloc {
 	parked_alloc *prev, *next;  /* server's list, oldest first */
 };
 
+/* Unpacked requests live here (more spills to malloc): a few hundred bytes
+ * each but for a long List cursor or a long name. */
+#define SERVER_ARENA_BYTES (64 * 1024)
+
 struct server {
 	uv_loop_t *loop;          /* the loop everything runs on */
 	server_config cfg;        /* as given */
@@ -131,6 +136,8 @@ struct server {
 	uint64_t started_ms;      /* uv_now at start, for uptime */
 	unsigned char *rbuf;      /* receive buffer, max_datagram + 1 bytes */
 	unsigned char *sbuf;      /* send buffer, max_datagram bytes */
+	unsigned char *abuf;      /* arena block, SERVER_ARENA_BYTES */
+	bb_arena arena;           /* what protobuf-c unpacks requests into */
 	bool stopping;            /* shutdown begun */
 	metrics_counters counters; /* requests, latency, refusals (metrics.h) */
 	metrics_endpoint *metrics; /* the HTTP endpoint, or NULL */
