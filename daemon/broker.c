@@ -5,10 +5,12 @@
  */
 #include "size.h"
 #include "broker.h"
+#include "idmap.h"
 
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,13 +38,13 @@ typedef struct uid_tokens {
 	UT_hash_handle hh; /* in broker.uid_tokens */
 } uid_tokens;
 
-/* One connection's count on one buffer. Present only while count > 0. */
-typedef struct holding {
-	uint64_t id;       /* key: the buffer's id */
-	broker_buf *buf;   /* the buffer */
-	uint32_t count;    /* this connection's references */
-	UT_hash_handle hh; /* in broker_conn.holdings */
-} holding;
+/* A live buffer's name. Only named buffers have one, so an unnamed buffer
+ * pays a pointer for the name index rather than a 56-byte handle. */
+typedef struct buf_name {
+	broker_buf *buf;   /* the buffer it names */
+	UT_hash_handle hh; /* in broker.by_name, keyed by text */
+	char text[];       /* NUL-terminated, at most BB_NAME_MAX bytes */
+} buf_name;
 
 /* A live, unadopted token: one reference waiting for its adopter. */
 typedef struct token {
@@ -56,32 +58,51 @@ typedef struct token {
 	UT_hash_handle hh;                  /* in broker.tokens */
 } token;
 
+/* The daemon keeps one per live buffer, tens of thousands at a time, so
+ * every byte counts: what only some buffers have (a name, a failure
+ * message) lives behind a pointer, the tables that find a buffer keep it
+ * in flat slots (idmap.h) rather than in handles inside it, and the fields
+ * are ordered and narrowed so that it fits a 144-byte chunk of glibc's
+ * malloc. */
 struct broker_buf {
-	uint64_t id;               /* never reused */
+	uint64_t id;               /* never reused; first, as idmap requires */
 	uint64_t size;             /* bytes */
-	bb_kind kind;              /* BB_HOST or BB_CUDA */
-	int device;                /* CUDA ordinal; 0 for host */
-	bb_state state;            /* PENDING until SetReady/SetError */
-	uint32_t owner_uid;        /* the allocating connection's uid */
-	uint32_t owner_gid;        /* ... and gid */
-	int share;                 /* BB_SHARE_* */
-	char *name;                /* NULL, or unique among live buffers */
-	char error[256];           /* SetError's message */
 	uint64_t refs;             /* sum of connection counts + live tokens */
-	uint32_t tokens;           /* live tokens */
 	uint64_t created_ms;       /* clock at creation */
 	backend *be;               /* the backend holding mem */
 	backend_mem mem;           /* the memory */
+	buf_name *name;            /* NULL, or its entry in broker.by_name */
+	char *error;               /* NULL, or SetError's message once FAILED */
 	broker_conn *producer;     /* allocating connection while PENDING */
 	broker_buf *pprev, *pnext; /* producer's list of PENDING buffers */
 	broker_waiter *waiters;    /* parked waits */
-	UT_hash_handle hh;         /* in broker.by_id */
-	UT_hash_handle hh_name;    /* in broker.by_name when named */
+	uint32_t owner_uid;        /* the allocating connection's uid */
+	uint32_t owner_gid;        /* ... and gid */
+	uint32_t tokens;           /* live tokens */
+	int32_t device;            /* CUDA ordinal; 0 for host */
+	uint8_t kind;              /* bb_kind: BB_HOST or BB_CUDA */
+	uint8_t state;             /* bb_state: PENDING until SetReady/SetError */
+	uint8_t share;             /* BB_SHARE_* */
 };
+
+_Static_assert(offsetof(struct broker_buf, id) == 0,
+	       "idmap reads an item's id as its first member");
+/* 136 bytes and glibc's 8-byte chunk header round to 144; one byte more
+ * costs 16 per buffer. */
+_Static_assert(sizeof(void *) != 8 || sizeof(struct broker_buf) <= 136,
+	       "a broker_buf outgrew its malloc chunk");
+
+/* The longest failure message kept: broker_info.error and Wait's error_out
+ * hold 256 bytes. */
+#define BUF_ERROR_MAX 255
+
+/* What a FAILED buffer says when its own message could not be stored.
+ * Never written; compared by address so that it is never freed. */
+static char error_unstored[] = "failed (the daemon had no memory to keep the message)";
 
 struct broker_conn {
 	uint32_t uid, gid, pid;    /* SO_PEERCRED */
-	holding *holdings;         /* id -> count */
+	idmap holdings;            /* item: a buffer; value: this connection's count (> 0) */
 	broker_buf *produced;      /* buffers it allocated, still PENDING */
 	token *tokens;             /* tokens it made that are live */
 	uint32_t ntokens;          /* length of tokens */
@@ -96,8 +117,8 @@ struct broker {
 	broker_limits limits;             /* in force */
 	backend *be[BROKER_KINDS];        /* per kind; NULL = unsupported */
 	char why[BROKER_KINDS][160];      /* why a kind is unsupported */
-	broker_buf *by_id;                /* all live buffers, in id order */
-	broker_buf *by_name;              /* the named ones */
+	idmap by_id;                      /* all live buffers */
+	buf_name *by_name;                /* the named ones */
 	token *tokens;                    /* live tokens by value */
 	token *token_fifo;                /* live tokens, oldest first */
 	uid_usage *uids;                  /* usage per uid */
@@ -257,23 +278,27 @@ static uid_usage *usage_of(broker *b, uint32_t uid, bool create)
 
 static broker_buf *find_buf(broker *b, uint64_t id)
 {
-	broker_buf *buf = NULL;
-	HASH_FIND(hh, b->by_id, &id, sizeof(id), buf);
-	return buf;
+	idmap_slot *s = idmap_find(&b->by_id, id);
+	return s ? s->item : NULL;
 }
 
 static broker_buf *find_name(broker *b, const char *name)
 {
-	broker_buf *buf = NULL;
-	HASH_FIND(hh_name, b->by_name, name, strlen(name), buf);
-	return buf;
+	buf_name *n = NULL;
+	HASH_FIND(hh, b->by_name, name, strlen(name), n);
+	return n ? n->buf : NULL;
 }
 
-static holding *find_holding(const broker_conn *conn, uint64_t id)
+/* conn's count on buffer id: the slot's value. NULL when it holds none. */
+static idmap_slot *find_holding(const broker_conn *conn, uint64_t id)
 {
-	holding *h;
-	HASH_FIND(hh, conn->holdings, &id, sizeof(id), h);
-	return h;
+	return idmap_find(&conn->holdings, id);
+}
+
+/* The failure message, "" for a buffer that has none. */
+static const char *buf_error(const broker_buf *buf)
+{
+	return buf->error ? buf->error : "";
 }
 
 /* Wake every waiter of buf with code/state, unlinking each first. */
@@ -286,7 +311,7 @@ static void wake_all(broker *b, broker_buf *buf, int code)
 		w->conn->nwaits--;
 		b->nwaits--;
 		w->buf = NULL;
-		w->wake(w, code, buf->state, buf->error);
+		w->wake(w, code, buf->state, buf_error(buf));
 	}
 }
 
@@ -294,8 +319,13 @@ static void wake_all(broker *b, broker_buf *buf, int code)
 static void settle(broker *b, broker_buf *buf, bb_state state, const char *error)
 {
 	buf->state = state;
-	if (error)
-		snprintf(buf->error, sizeof(buf->error), "%s", error);
+	if (error) {
+		/* Only FAILED buffers pay for a message. Settling cannot fail,
+		 * so without memory the buffer still fails, with a stock one. */
+		buf->error = strndup(error, BUF_ERROR_MAX);
+		if (!buf->error)
+			buf->error = error_unstored;
+	}
 	if (buf->producer) {
 		DL_DELETE2(buf->producer->produced, buf, pprev, pnext);
 		buf->producer = NULL;
@@ -310,8 +340,8 @@ static void destroy(broker *b, broker_buf *buf)
 	if (buf->producer)
 		DL_DELETE2(buf->producer->produced, buf, pprev, pnext);
 	if (buf->name)
-		HASH_DELETE(hh_name, b->by_name, buf);
-	HASH_DELETE(hh, b->by_id, buf);
+		HASH_DELETE(hh, b->by_name, buf->name);
+	idmap_remove(&b->by_id, idmap_find(&b->by_id, buf->id));
 	uid_usage *u = usage_of(b, buf->owner_uid, false);
 	if (u) {
 		u->bytes[buf->kind] -= buf->size;
@@ -325,6 +355,8 @@ static void destroy(broker *b, broker_buf *buf)
 	b->bytes[buf->kind] -= buf->size;
 	buf->be->free(buf->be, &buf->mem);
 	free(buf->name);
+	if (buf->error != error_unstored)
+		free(buf->error);
 	free(buf);
 }
 
@@ -335,33 +367,35 @@ static void drop_refs(broker *b, broker_buf *buf, uint64_t n)
 		destroy(b, buf);
 }
 
-/* Give conn count more references on buf (refs grows too when fresh). */
-static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, broker_error *err)
+/* Give conn count more references on buf; the caller adjusts refs.
+ * *held (may be NULL) gets conn's count afterwards. */
+static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *held,
+		broker_error *err)
 {
-	holding *h = find_holding(conn, buf->id);
+	idmap_slot *h = find_holding(conn, buf->id);
 	if (!h) {
-		h = calloc(1, sizeof(*h));
-		if (!h)
+		if (idmap_insert(&conn->holdings, buf, count))
 			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
-		h->id = buf->id;
-		h->buf = buf;
-		HASH_ADD(hh, conn->holdings, id, sizeof(h->id), h);
+		if (held)
+			*held = count;
+		return 0;
 	}
-	if (h->count > UINT32_MAX - count)
+	if (h->value > UINT32_MAX - count)
 		return fail(err, BB_ERR_INVALID,
 			    "buffer %" PRIu64 ": the connection's count would overflow", buf->id);
-	h->count += count;
+	h->value += count;
+	if (held)
+		*held = h->value;
 	return 0;
 }
 
-/* Take count of conn's references away; the caller adjusts refs. */
-static void unhold(broker_conn *conn, holding *h, uint32_t count)
+/* Take count (at most its value) of conn's references away; the caller
+ * adjusts refs. h is stale afterwards. */
+static void unhold(broker_conn *conn, idmap_slot *h, uint32_t count)
 {
-	h->count -= count;
-	if (h->count == 0) {
-		HASH_DELETE(hh, conn->holdings, h);
-		free(h);
-	}
+	h->value -= count;
+	if (h->value == 0)
+		idmap_remove(&conn->holdings, h);
 }
 
 /* Whether the share policy lets conn reach buf without holding it. */
@@ -462,9 +496,14 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	broker_buf *buf = calloc(1, sizeof(*buf));
 	if (!buf)
 		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
-	if (name && !(buf->name = strdup(name))) {
-		free(buf);
-		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	if (name) {
+		size_t len = strlen(name);
+		if (!(buf->name = calloc(1, sizeof(*buf->name) + len + 1))) {
+			free(buf);
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		}
+		buf->name->buf = buf;
+		memcpy(buf->name->text, name, len + 1);
 	}
 	if (!(u = usage_of(b, conn->uid, true))) {
 		rc = fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
@@ -492,17 +531,17 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	buf->share = req->share;
 	buf->created_ms = now(b);
 	buf->be = be;
-	if (hold(conn, buf, 1, err)) {
-		be->free(be, &buf->mem);
-		rc = BB_ERR_NO_MEMORY;
-		goto err_usage;
+	if ((rc = idmap_insert(&b->by_id, buf, 0))) {
+		fail(err, rc, "daemon out of memory");
+		goto err_mem;
 	}
+	if ((rc = hold(conn, buf, 1, NULL, err)))
+		goto err_by_id;
 	buf->refs = 1;
 	buf->producer = conn;
 	DL_APPEND2(conn->produced, buf, pprev, pnext);
-	HASH_ADD(hh, b->by_id, id, sizeof(buf->id), buf);
 	if (buf->name)
-		HASH_ADD_KEYPTR(hh_name, b->by_name, buf->name, strlen(buf->name), buf);
+		HASH_ADD_KEYPTR(hh, b->by_name, buf->name->text, strlen(buf->name->text), buf->name);
 	u->buffers++;
 	u->bytes[buf->kind] += buf->size;
 	b->buffers[buf->kind]++;
@@ -510,6 +549,10 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	*out = buf;
 	return 0;
 
+err_by_id:
+	idmap_remove(&b->by_id, idmap_find(&b->by_id, buf->id));
+err_mem:
+	be->free(be, &buf->mem);
 err_usage:
 	if (u->buffers == 0) {
 		HASH_DELETE(hh, b->uids, u);
@@ -527,7 +570,7 @@ int broker_open_id(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, 
 	int rc = reach(b, conn, id, &buf, err);
 	if (rc)
 		return rc;
-	if ((rc = hold(conn, buf, 1, err)))
+	if ((rc = hold(conn, buf, 1, NULL, err)))
 		return rc;
 	buf->refs++;
 	*out = buf;
@@ -557,13 +600,11 @@ int broker_retain(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uin
 		return fail(err, BB_ERR_INVALID, "retain count must be at least 1");
 	if ((rc = reach(b, conn, id, &buf, err)))
 		return rc;
-	if ((rc = hold(conn, buf, count, err)))
+	if ((rc = hold(conn, buf, count, held_out, err)))
 		return rc;
 	buf->refs += count;
 	if (refs_out)
 		*refs_out = buf->refs;
-	if (held_out)
-		*held_out = find_holding(conn, id)->count;
 	return 0;
 }
 
@@ -572,20 +613,20 @@ int broker_release(broker *b, broker_conn *conn, uint64_t id, uint32_t count, ui
 {
 	if (count == 0)
 		return fail(err, BB_ERR_INVALID, "release count must be at least 1");
-	holding *h = find_holding(conn, id);
+	idmap_slot *h = find_holding(conn, id);
 	if (!h) {
 		if (find_buf(b, id))
 			return fail(err, BB_ERR_INVALID,
 				    "this connection holds no reference to buffer %" PRIu64, id);
 		return fail(err, BB_ERR_NOT_FOUND, "no buffer with id %" PRIu64, id);
 	}
-	if (count > h->count)
+	if (count > h->value)
 		return fail(err, BB_ERR_INVALID,
 			    "cannot release %u references to buffer %" PRIu64
 			    "; this connection holds %u",
-			    count, id, h->count);
-	broker_buf *buf = h->buf;
-	uint32_t held = h->count - count;
+			    count, id, h->value);
+	broker_buf *buf = h->item;
+	uint32_t held = h->value - count;
 	uint64_t refs = buf->refs - count;
 	unhold(conn, h, count);
 	drop_refs(b, buf, count);
@@ -620,7 +661,7 @@ static void token_forget(broker *b, token *t)
 int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 		unsigned char out[BB_TOKEN_SIZE], broker_error *err)
 {
-	holding *h = find_holding(conn, id);
+	idmap_slot *h = find_holding(conn, id);
 	if (!h)
 		return fail(err, BB_ERR_NOT_FOUND,
 			    "this connection holds no buffer with id %" PRIu64, id);
@@ -662,7 +703,7 @@ int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 		HASH_FIND(hh, b->tokens, t->bytes, sizeof(t->bytes), dup);
 	} while (dup);
 
-	broker_buf *buf = h->buf;
+	broker_buf *buf = h->item;
 	t->buf = buf;
 	t->maker = conn;
 	t->maker_uid = conn->uid;
@@ -695,7 +736,7 @@ int broker_adopt(broker *b, broker_conn *conn, const unsigned char tok[BB_TOKEN_
 		drop_refs(b, buf, 1);
 		return fail(err, BB_ERR_NOT_FOUND, "the token expired");
 	}
-	int rc = hold(conn, buf, 1, err);
+	int rc = hold(conn, buf, 1, NULL, err);
 	if (rc)
 		return rc;
 	token_forget(b, t); /* its reference is now conn's: refs unchanged */
@@ -767,7 +808,7 @@ int broker_wait(broker *b, broker_conn *conn, uint64_t id, broker_waiter *w, bb_
 		return rc;
 	if (buf->state != BB_PENDING) {
 		*state_out = buf->state;
-		snprintf(error_out, 256, "%s", buf->error);
+		snprintf(error_out, 256, "%s", buf_error(buf));
 		return 1;
 	}
 	if (conn->nwaits >= b->limits.conn_waits) {
@@ -840,14 +881,13 @@ void broker_conn_close(broker *b, broker_conn *conn)
 		t->maker = NULL;
 	}
 
-	holding *h, *htmp;
-	HASH_ITER(hh, conn->holdings, h, htmp) {
-		broker_buf *hb = h->buf;
-		uint32_t n = h->count;
-		HASH_DELETE(hh, conn->holdings, h);
-		free(h);
-		drop_refs(b, hb, n);
-	}
+	/* Take the holdings off conn first: while the counts drop and buffers
+	 * go, conn holds nothing rather than entries that point at them. */
+	idmap held = conn->holdings;
+	conn->holdings = (idmap){0};
+	for (idmap_slot *h = idmap_next(&held, NULL); h; h = idmap_next(&held, h))
+		drop_refs(b, h->item, h->value);
+	idmap_free(&held);
 	DL_DELETE(b->conns, conn);
 	b->nconns--;
 	free(conn);
@@ -865,12 +905,13 @@ uint32_t broker_conn_pid(const broker_conn *conn)
 
 void broker_conn_holdings(const broker_conn *conn, uint64_t *buffers, uint64_t *bytes)
 {
-	uint64_t n = 0, sz = 0;
-	for (const holding *h = conn->holdings; h; h = h->hh.next) {
-		n++;
-		sz += h->buf->size;
+	uint64_t sz = 0;
+	for (const idmap_slot *h = idmap_next(&conn->holdings, NULL); h;
+	     h = idmap_next(&conn->holdings, h)) {
+		const broker_buf *hb = h->item;
+		sz += hb->size;
 	}
-	*buffers = n;
+	*buffers = idmap_count(&conn->holdings);
 	*bytes = sz;
 }
 
@@ -896,11 +937,11 @@ void broker_buf_info(broker *b, const broker_buf *buf, const broker_conn *conn, 
 	out->refs = buf->refs;
 	out->tokens = buf->tokens;
 	if (conn) {
-		const holding *h = find_holding(conn, buf->id);
-		out->held = h ? h->count : 0;
+		const idmap_slot *h = find_holding(conn, buf->id);
+		out->held = h ? h->value : 0;
 	}
-	snprintf(out->name, sizeof(out->name), "%s", buf->name ? buf->name : "");
-	snprintf(out->error, sizeof(out->error), "%s", buf->error);
+	snprintf(out->name, sizeof(out->name), "%s", buf->name ? buf->name->text : "");
+	snprintf(out->error, sizeof(out->error), "%s", buf_error(buf));
 	out->owner_uid = buf->owner_uid;
 	out->owner_gid = buf->owner_gid;
 	out->share = buf->share;
@@ -940,17 +981,58 @@ int broker_stat_name(broker *b, broker_conn *conn, const char *name, broker_info
 	return broker_stat_id(b, conn, buf->id, out, err);
 }
 
+static int compare_ids(const void *x, const void *y)
+{
+	uint64_t a = (*(broker_buf *const *)x)->id, c = (*(broker_buf *const *)y)->id;
+	return (a > c) - (a < c);
+}
+
+/* broker_list without the memory to sort: each next buffer is found by a
+ * scan of the whole table. Slow, but List pages by id (after_id), so the
+ * order is part of the answer. */
+static void list_by_scans(broker *b, broker_conn *conn,
+			  int (*fn)(const broker_info *info, void *arg), void *arg)
+{
+	broker_info info;
+	uint64_t after = 0;
+	for (;;) {
+		broker_buf *next = NULL;
+		for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s)) {
+			broker_buf *buf = s->item;
+			if (buf->id > after && (!next || buf->id < next->id) && may_see(buf, conn))
+				next = buf;
+		}
+		if (!next)
+			return;
+		after = next->id;
+		broker_buf_info(b, next, conn, &info);
+		if (fn(&info, arg))
+			return;
+	}
+}
+
 void broker_list(broker *b, broker_conn *conn, int (*fn)(const broker_info *info, void *arg),
 		 void *arg)
 {
+	/* The table keeps no order: List is an admin request, so sorting a
+	 * snapshot here is cheaper than keeping every buffer in order. */
+	broker_buf **bufs = malloc((idmap_count(&b->by_id) + 1) * sizeof(*bufs));
+	if (!bufs) {
+		list_by_scans(b, conn, fn, arg);
+		return;
+	}
+	size_t n = 0;
+	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s))
+		if (may_see(s->item, conn))
+			bufs[n++] = s->item;
+	qsort(bufs, n, sizeof(*bufs), compare_ids);
 	broker_info info;
-	for (broker_buf *buf = b->by_id; buf; buf = buf->hh.next) {
-		if (!may_see(buf, conn))
-			continue;
-		broker_buf_info(b, buf, conn, &info);
+	for (size_t i = 0; i < n; i++) {
+		broker_buf_info(b, bufs[i], conn, &info);
 		if (fn(&info, arg))
 			break;
 	}
+	free(bufs);
 }
 
 void broker_totals_get(broker *b, broker_totals *out)
@@ -1007,12 +1089,14 @@ static void report_add(char *report, size_t len, size_t *used, int *problems, co
 	}
 }
 
-/* Scratch counts per buffer while checking. */
+/* Scratch counts per buffer while checking. Keyed by address, so that a
+ * holding, token or waiter that points at a freed buffer is found out
+ * without reading it. */
 typedef struct check_row {
-	uint64_t id;       /* key */
-	uint64_t counts;   /* sum of connection counts */
-	uint64_t tokens;   /* live tokens seen */
-	uint64_t waiters;  /* waiters seen through connections */
+	const broker_buf *buf; /* key */
+	uint64_t counts;       /* sum of connection counts */
+	uint64_t tokens;       /* live tokens seen */
+	uint64_t waiters;      /* waiters seen through connections */
 	UT_hash_handle hh;
 } check_row;
 
@@ -1027,34 +1111,42 @@ int broker_check(broker *b, char *report, size_t len)
 	if (len)
 		report[0] = '\0';
 #define PROBLEM(...) report_add(report, len, &used, &problems, __VA_ARGS__)
-	for (broker_buf *buf = b->by_id; buf; buf = buf->hh.next) {
+	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s)) {
+		broker_buf *buf = s->item;
 		row = calloc(1, sizeof(*row));
 		if (!row) {
 			PROBLEM("check: out of memory");
 			goto out;
 		}
-		row->id = buf->id;
-		HASH_ADD(hh, rows, id, sizeof(row->id), row);
+		row->buf = buf;
+		HASH_ADD(hh, rows, buf, sizeof(row->buf), row);
 		buffers[buf->kind]++;
 		bytes[buf->kind] += buf->size;
-		if (buf->name && find_name(b, buf->name) != buf)
+		if (find_buf(b, buf->id) != buf)
+			PROBLEM("buffer %" PRIu64 ": its id does not lead back to it", buf->id);
+		if (buf->name && find_name(b, buf->name->text) != buf)
 			PROBLEM("buffer %" PRIu64 ": its name \"%s\" does not lead back to it", buf->id,
-				buf->name);
+				buf->name->text);
 	}
 	for (broker_conn *c = b->conns; c; c = c->next) {
 		conns++;
-		for (holding *h = c->holdings; h; h = h->hh.next) {
-			HASH_FIND(hh, rows, &h->id, sizeof(h->id), row);
-			if (!row || h->buf != find_buf(b, h->id)) {
-				PROBLEM("connection of pid %u holds %u on buffer %" PRIu64
-					", which is not live",
-					c->pid, h->count, h->id);
+		for (idmap_slot *h = idmap_next(&c->holdings, NULL); h;
+		     h = idmap_next(&c->holdings, h)) {
+			const broker_buf *hb = h->item;
+			HASH_FIND(hh, rows, &hb, sizeof(hb), row);
+			if (!row) {
+				PROBLEM("connection of pid %u holds %u on a buffer that is not live (%p)",
+					c->pid, h->value, h->item);
 				continue;
 			}
-			if (h->count == 0)
+			if (find_holding(c, hb->id) != h)
+				PROBLEM("connection of pid %u: its count on buffer %" PRIu64
+					" is not found by the id",
+					c->pid, hb->id);
+			if (h->value == 0)
 				PROBLEM("connection of pid %u keeps a zero count on buffer %" PRIu64, c->pid,
-					h->id);
-			row->counts += h->count;
+					hb->id);
+			row->counts += h->value;
 		}
 		uint32_t nw = 0, nt = 0;
 		for (broker_waiter *w = c->waiters; w; w = w->cnext) {
@@ -1063,7 +1155,7 @@ int broker_check(broker *b, char *report, size_t len)
 				PROBLEM("connection of pid %u has a waiter on no buffer", c->pid);
 				continue;
 			}
-			HASH_FIND(hh, rows, &w->buf->id, sizeof(w->buf->id), row);
+			HASH_FIND(hh, rows, &w->buf, sizeof(w->buf), row);
 			if (row)
 				row->waiters++;
 		}
@@ -1079,16 +1171,17 @@ int broker_check(broker *b, char *report, size_t len)
 	uint64_t ntokens = 0;
 	for (token *t = b->tokens; t; t = t->hh.next) {
 		ntokens++;
-		HASH_FIND(hh, rows, &t->buf->id, sizeof(t->buf->id), row);
-		if (!row || find_buf(b, t->buf->id) != t->buf)
-			PROBLEM("a live token references buffer %" PRIu64 ", which is not live",
-				t->buf->id);
+		HASH_FIND(hh, rows, &t->buf, sizeof(t->buf), row);
+		if (!row)
+			PROBLEM("a live token references a buffer that is not live (%p)",
+				(void *)t->buf);
 		else
 			row->tokens++;
 	}
-	for (broker_buf *buf = b->by_id; buf; buf = buf->hh.next) {
+	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s)) {
+		const broker_buf *buf = s->item;
 		uint64_t nwaiters = 0;
-		HASH_FIND(hh, rows, &buf->id, sizeof(buf->id), row);
+		HASH_FIND(hh, rows, &buf, sizeof(buf), row);
 		for (broker_waiter *w = buf->waiters; w; w = w->next)
 			nwaiters++;
 		if (buf->refs != row->counts + row->tokens)
@@ -1112,7 +1205,8 @@ int broker_check(broker *b, char *report, size_t len)
 	}
 	/* Per-uid usage, recounted into a scratch table. */
 	uid_usage *seen = NULL, *su, *stmp;
-	for (broker_buf *buf = b->by_id; buf; buf = buf->hh.next) {
+	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s)) {
+		const broker_buf *buf = s->item;
 		HASH_FIND(hh, seen, &buf->owner_uid, sizeof(buf->owner_uid), su);
 		if (!su) {
 			if (!(su = calloc(1, sizeof(*su)))) {
@@ -1203,12 +1297,15 @@ void broker_free(broker *b)
 		drop_refs(b, buf, 1);
 	}
 	/* Nothing can remain; if accounting were wrong, free what is left
-	 * rather than leak it. */
-	broker_buf *buf, *tmp;
-	HASH_ITER(hh, b->by_id, buf, tmp) {
+	 * rather than leak it. Each free may move entries (and shrink the
+	 * table), so every round starts from the first slot again. */
+	idmap_slot *s;
+	while ((s = idmap_next(&b->by_id, NULL))) {
+		broker_buf *buf = s->item;
 		buf->refs = 1;
 		drop_refs(b, buf, 1);
 	}
+	idmap_free(&b->by_id);
 	uid_usage *u, *utmp;
 	HASH_ITER(hh, b->uids, u, utmp) {
 		HASH_DELETE(hh, b->uids, u);
