@@ -41,6 +41,29 @@ ssize_t msgio_send(int sock, const void *buf, size_t len, int fd)
 	}
 }
 
+/* Take the fds attached to msg: the first into *fd_out, the rest closed
+ * (and *truncated set). */
+static void take_fds(struct msghdr *msg, int *fd_out, int *truncated)
+{
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
+		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+			continue;
+		size_t nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		for (size_t i = 0; i < nfds; i++) {
+			int fd;
+			memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+			if (*fd_out < 0) {
+				*fd_out = fd;
+			} else {
+				close(fd);
+				*truncated = 1;
+			}
+		}
+	}
+	if (msg->msg_flags & (MSG_TRUNC | MSG_CTRUNC))
+		*truncated = 1;
+}
+
 ssize_t msgio_recv(int sock, void *buf, size_t cap, int *fd_out, int *truncated)
 {
 	struct iovec iov = {.iov_base = buf, .iov_len = cap};
@@ -65,22 +88,43 @@ ssize_t msgio_recv(int sock, void *buf, size_t cap, int *fd_out, int *truncated)
 	while (n < 0 && errno == EINTR);
 	if (n < 0)
 		return -errno;
-	for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-			continue;
-		size_t nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-		for (size_t i = 0; i < nfds; i++) {
-			int fd;
-			memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-			if (*fd_out < 0) {
-				*fd_out = fd;
-			} else {
-				close(fd);
-				*truncated = 1;
-			}
-		}
-	}
-	if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))
-		*truncated = 1;
+	take_fds(&msg, fd_out, truncated);
 	return n;
+}
+
+int msgio_recv_batch(int sock, msgio_slot *slots, unsigned n)
+{
+	struct mmsghdr mm[MSGIO_BATCH_MAX];
+	struct iovec iov[MSGIO_BATCH_MAX];
+	/* As msgio_recv: room for a few fds per datagram, so that extra ones
+	 * are seen and closed. */
+	union {
+		char buf[CMSG_SPACE(8 * sizeof(int))];
+		struct cmsghdr align;
+	} ctl[MSGIO_BATCH_MAX];
+	int got;
+
+	if (n == 0 || n > MSGIO_BATCH_MAX)
+		return -EINVAL;
+	memset(mm, 0, n * sizeof(mm[0]));
+	for (unsigned i = 0; i < n; i++) {
+		iov[i].iov_base = slots[i].buf;
+		iov[i].iov_len = slots[i].cap;
+		mm[i].msg_hdr.msg_iov = &iov[i];
+		mm[i].msg_hdr.msg_iovlen = 1;
+		mm[i].msg_hdr.msg_control = ctl[i].buf;
+		mm[i].msg_hdr.msg_controllen = sizeof(ctl[i].buf);
+	}
+	do
+		got = recvmmsg(sock, mm, n, MSG_CMSG_CLOEXEC | MSG_DONTWAIT, NULL);
+	while (got < 0 && errno == EINTR);
+	if (got < 0)
+		return -errno;
+	for (int i = 0; i < got; i++) {
+		slots[i].len = mm[i].msg_len;
+		slots[i].fd = -1;
+		slots[i].truncated = 0;
+		take_fds(&mm[i].msg_hdr, &slots[i].fd, &slots[i].truncated);
+	}
+	return got;
 }

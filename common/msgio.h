@@ -20,4 +20,23 @@ ssize_t msgio_send(int sock, const void *buf, size_t len, int fd);
  * the datagram was longer than cap or carried more than one fd. */
 ssize_t msgio_recv(int sock, void *buf, size_t cap, int *fd_out, int *truncated);
 
+/* One datagram of a batch: buf and cap are the caller's; len, fd and
+ * truncated are filled as msgio_recv fills its results. */
+typedef struct msgio_slot {
+	void *buf;     /* where the datagram goes */
+	size_t cap;    /* bytes at buf */
+	size_t len;    /* its length (0: empty datagram or end of stream) */
+	int fd;        /* attached fd (close-on-exec) or -1 */
+	int truncated; /* longer than cap, or more than one fd */
+} msgio_slot;
+
+/* Most slots one msgio_recv_batch call fills. */
+#define MSGIO_BATCH_MAX 16
+
+/* Receive the datagrams already queued on sock, up to n (at most
+ * MSGIO_BATCH_MAX), with one recvmmsg: pipelined requests cost one system
+ * call together, a lone one the same as msgio_recv. Never waits. Returns
+ * how many slots were filled (>= 1), or -errno (-EAGAIN: none queued). */
+int msgio_recv_batch(int sock, msgio_slot *slots, unsigned n);
+
 #endif /* BB_MSGIO_H */

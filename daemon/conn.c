@@ -188,17 +188,11 @@ static void protocol_error(conn *c, uint64_t id, const char *msg, bool close_aft
 		conn_doom(c, msg);
 }
 
-static void read_one(conn *c, int events)
+/* Act on one datagram of n bytes at data (fd attached, or -1). */
+static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n, int fd,
+			    int truncated)
 {
 	server *s = c->srv;
-	int fd = -1, truncated = 0;
-	ssize_t n = msgio_recv(c->fd, s->rbuf, (size_t)s->cfg.max_datagram + 1, &fd, &truncated);
-	if (n == -EAGAIN)
-		return;
-	if (n < 0) {
-		conn_doom(c, "receive failed");
-		return;
-	}
 	if (n == 0 && fd < 0 && (events & UV_DISCONNECT)) {
 		conn_doom(c, "peer closed");
 		return;
@@ -232,9 +226,9 @@ static void read_one(conn *c, int events)
 	/* Timed from before decoding: protobuf-c's unpack is part of what a
 	 * request costs the daemon. */
 	uint64_t t0 = uv_hrtime();
-	int op = handler_request_flat(c, s->rbuf, (size_t)n, fd);
+	int op = handler_request_flat(c, data, (size_t)n, fd);
 	if (!op) {
-		Bufbroker__Request *req = bufbroker__request__unpack(&s->arena.pc, (size_t)n, s->rbuf);
+		Bufbroker__Request *req = bufbroker__request__unpack(&s->arena.pc, (size_t)n, data);
 		if (!req) {
 			/* Whatever it had allocated, protobuf-c freed. */
 			bb_arena_reset(&s->arena);
@@ -255,6 +249,43 @@ static void read_one(conn *c, int events)
 	metrics_handled(&s->counters, op, uv_hrtime() - t0);
 }
 
+/* Read what the peer has queued, up to CONN_READ_BATCH datagrams in one
+ * system call (a client with several threads, or a burst of fire-and-forget
+ * Releases, pipelines), and act on each in order. The batch never holds
+ * more than the parked-request bound has room for, so conn_inflight stays
+ * exact; once the connection is doomed the rest are dropped. */
+static void read_batch(conn *c, int events)
+{
+	server *s = c->srv;
+	msgio_slot slot[CONN_READ_BATCH];
+	unsigned want = CONN_READ_BATCH;
+	uint32_t room = s->cfg.conn_inflight > c->inflight ? s->cfg.conn_inflight - c->inflight : 1;
+	size_t cap = (size_t)s->cfg.max_datagram + 1;
+
+	if (want > room)
+		want = room;
+	for (unsigned i = 0; i < want; i++) {
+		slot[i].buf = s->rbuf + i * cap;
+		slot[i].cap = cap;
+	}
+	int got = msgio_recv_batch(c->fd, slot, want);
+	if (got == -EAGAIN)
+		return;
+	if (got < 0) {
+		conn_doom(c, "receive failed");
+		return;
+	}
+	for (int i = 0; i < got; i++) {
+		if (c->doomed || c->closed) {
+			if (slot[i].fd >= 0)
+				close(slot[i].fd);
+			continue;
+		}
+		handle_datagram(c, events, slot[i].buf, (ssize_t)slot[i].len, slot[i].fd,
+				slot[i].truncated);
+	}
+}
+
 static void on_io(uv_poll_t *p, int status, int events)
 {
 	conn *c = p->data;
@@ -269,7 +300,7 @@ static void on_io(uv_poll_t *p, int status, int events)
 		return;
 	}
 	if (events & UV_READABLE) {
-		read_one(c, events);
+		read_batch(c, events);
 		return;
 	}
 	/* UV_DISCONNECT alone: nothing left to read. */

@@ -484,7 +484,7 @@ static int server_init(server *s, uv_loop_t *loop, const server_config *cfg)
 	s->loop = loop;
 	s->cfg = *cfg;
 	s->listen_fd = -1;
-	s->rbuf = malloc((size_t)cfg->max_datagram + 1);
+	s->rbuf = malloc(CONN_READ_BATCH * ((size_t)cfg->max_datagram + 1));
 	s->sbuf = malloc(cfg->max_datagram);
 	s->abuf = malloc(SERVER_ARENA_BYTES);
 	if (s->abuf)

@@ -111,6 +111,9 @@ struct parked_alloc {
  * each but for a long List cursor or a long name. */
 #define SERVER_ARENA_BYTES (64 * 1024)
 
+/* Most datagrams one connection's readiness reads at once. */
+#define CONN_READ_BATCH 8
+
 struct server {
 	uv_loop_t *loop;          /* the loop everything runs on */
 	server_config cfg;        /* as given */
@@ -134,7 +137,7 @@ struct server {
 	conn *doomed;             /* connections to close */
 	uint64_t next_serial;     /* connection numbers */
 	uint64_t started_ms;      /* uv_now at start, for uptime */
-	unsigned char *rbuf;      /* receive buffer, max_datagram + 1 bytes */
+	unsigned char *rbuf;      /* receive buffers: CONN_READ_BATCH of max_datagram + 1 bytes */
 	unsigned char *sbuf;      /* send buffer, max_datagram bytes */
 	unsigned char *abuf;      /* arena block, SERVER_ARENA_BYTES */
 	bb_arena arena;           /* what protobuf-c unpacks requests into */

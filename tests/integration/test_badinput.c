@@ -434,3 +434,104 @@ Test(badinput, daemon_survives_a_stream_of_random_datagrams)
 	good_client_works(&r, "random datagrams");
 	rig_down(&r);
 }
+
+/* Retain or Release {id, 1} with request id req_id, sent without waiting. */
+static void send_refs(int raw, uint64_t req_id, uint64_t id, bool retain, int attach_fd)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Retain ret = BUFBROKER__RETAIN__INIT;
+	Bufbroker__Release rel = BUFBROKER__RELEASE__INIT;
+	req.id = req_id;
+	if (retain) {
+		ret.id = id;
+		ret.count = 1;
+		req.op_case = BUFBROKER__REQUEST__OP_RETAIN;
+		req.retain = &ret;
+	} else {
+		rel.id = id;
+		rel.count = 1;
+		req.op_case = BUFBROKER__REQUEST__OP_RELEASE;
+		req.release = &rel;
+	}
+	cr_assert_eq(bbt_raw_send(raw, &req, attach_fd), 0, "sending request %llu",
+		     (unsigned long long)req_id);
+}
+
+/* The daemon reads up to a batch of queued datagrams at once: pipelined
+ * requests, across several batches, are each answered, in order, with the
+ * counts they made. */
+Test(badinput, pipelined_requests_are_answered_in_order)
+{
+	struct rig r;
+	rig_up(&r, true);
+	uint64_t id = bb_id(r.held);
+	enum { N = 37 };
+
+	for (int i = 0; i < N; i++)
+		send_refs(r.raw, 100 + i, id, true, -1);
+	for (int i = 0; i < N; i++)
+		send_refs(r.raw, 200 + i, id, false, -1);
+	for (int i = 0; i < 2 * N; i++) {
+		Bufbroker__Response *resp = NULL;
+		int rc = bbt_raw_recv(r.raw, 3000, &resp, NULL);
+		cr_assert_eq(rc, 1, "answer %d: recv %d", i, rc);
+		uint64_t want_id = i < N ? 100 + i : 200 + (i - N);
+		/* The good client's count plus the raw peer's. */
+		uint64_t want_refs = i < N ? 2 + i : 1 + (2 * N - 1 - i);
+		bool ok = resp->id == want_id && resp->status && resp->status->code == 0 &&
+			  resp->result_case == BUFBROKER__RESPONSE__RESULT_REFS &&
+			  resp->refs->refs == want_refs;
+		uint64_t got_id = resp->id, got_refs = resp->refs ? resp->refs->refs : 0;
+		bufbroker__response__free_unpacked(resp, NULL);
+		cr_assert(ok, "answer %d: id %llu refs %llu, want id %llu refs %llu", i,
+			  (unsigned long long)got_id, (unsigned long long)got_refs,
+			  (unsigned long long)want_id, (unsigned long long)want_refs);
+	}
+	expect_open(r.raw, "pipelined requests");
+	good_client_works(&r, "pipelined requests");
+	rig_down(&r);
+}
+
+/* A datagram that ends the connection in the middle of what the daemon
+ * read at once: the requests before it are answered, the ones after it are
+ * not acted on, and an fd attached to one of those is closed, not leaked. */
+Test(badinput, requests_queued_behind_a_fatal_datagram_are_dropped_with_their_fds)
+{
+	struct rig r;
+	rig_up(&r, true);
+	uint64_t id = bb_id(r.held);
+	int fds_before = bbt_daemon_fds(r.d);
+	int pfd[2];
+	cr_assert_eq(pipe2(pfd, O_CLOEXEC | O_NONBLOCK), 0);
+	static const uint8_t garbage[] = {0xff, 0xff, 0xff, 0xff, 0x0f};
+
+	send_refs(r.raw, 300, id, true, -1);
+	send_refs(r.raw, 301, id, true, -1);
+	cr_assert_eq(bbt_raw_send_bytes(r.raw, garbage, sizeof(garbage), -1), 0);
+	send_refs(r.raw, 302, id, true, pfd[0]);
+	send_refs(r.raw, 303, id, true, -1);
+	close(pfd[0]);
+
+	for (int i = 0; i < 2; i++) {
+		Bufbroker__Response *resp = NULL;
+		cr_assert_eq(bbt_raw_recv(r.raw, 3000, &resp, NULL), 1, "answer %d", i);
+		bool ok = resp->id == (uint64_t)(300 + i) && resp->status->code == 0;
+		bufbroker__response__free_unpacked(resp, NULL);
+		cr_assert(ok, "request %d before the garbage was not answered", 300 + i);
+	}
+	expect_protocol_error(r.raw, 0, "decode", "garbage between pipelined requests");
+	expect_closed(r.raw, "garbage between pipelined requests");
+
+	/* Nothing after the garbage counted: with the raw peer gone, the good
+	 * client's count is the only one. */
+	cr_assert_eq(bbt_refs_until(r.good, id, 1, 2000), 1);
+	struct pollfd p = {.fd = pfd[1], .events = POLLOUT};
+	int64_t deadline = bbt_now_ms() + 2000;
+	while (!(p.revents & POLLERR) && bbt_now_ms() < deadline)
+		poll(&p, 1, 50);
+	close(pfd[1]);
+	cr_assert(p.revents & POLLERR, "the daemon kept the fd of a dropped request open");
+	cr_assert_leq(bbt_daemon_fds(r.d), fds_before, "the daemon holds more fds than before");
+	good_client_works(&r, "garbage between pipelined requests");
+	rig_down(&r);
+}
