@@ -12,6 +12,8 @@
 /* The memory behind one buffer, as a backend describes it. */
 typedef struct backend_mem {
 	int fd;         /* host: the sealed memfd the daemon keeps; -1 otherwise */
+	uint32_t uid;   /* host: the uid alloc was asked for (the reuse pool's key);
+			 * in the padding after fd, so the struct stays 24 bytes */
 	uint64_t size;  /* bytes usable by clients */
 	void *priv;     /* backend's own bookkeeping */
 } backend_mem;
@@ -101,8 +103,55 @@ static inline void backend_submit(backend *be, backend_job *job)
 	}
 }
 
-/* The host backend: sealed memfds (MFD_CLOEXEC | MFD_ALLOW_SEALING, then
- * F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL). Caller frees with destroy. */
+/* The host backend: sealed memfds (MFD_CLOEXEC | MFD_ALLOW_SEALING, sized
+ * to the request rounded up to whole pages, then F_SEAL_SHRINK |
+ * F_SEAL_GROW | F_SEAL_SEAL); a buffer's size stays what was asked for.
+ * It pools nothing until backend_host_pool turns pooling on. Caller frees
+ * with destroy, which closes every pooled memfd. */
 backend *backend_host_new(void);
+
+/* Bounds of the host reuse pool: the most memfds it may keep whatever
+ * backend_host_pool asks (each alloc and free scans the pool), and the
+ * bounds the daemon is meant to run with. */
+#define BACKEND_HOST_POOL_MAX 1024
+#define BACKEND_HOST_POOL_DEFAULT 64
+#define BACKEND_HOST_POOL_PER_CLASS_DEFAULT 8
+
+/* Keep up to max memfds in all, at most per_class of one (uid, size
+ * class), for reuse instead of closing them when their buffer is freed;
+ * 0 for either turns pooling off. Either way what was pooled is closed
+ * first. 0, or BB_ERR_NO_MEMORY with pooling off. The size class is the
+ * page-rounded size. A pooled memfd has had its pages returned
+ * (FALLOC_FL_PUNCH_HOLE) and is punched again when reused, so a new buffer
+ * reads zeros; it is only ever reused for the uid it was made for, and
+ * never once it was sent to a process of another uid or came from
+ * import_fd. Beyond a bound the oldest pooled memfd is closed; an alloc
+ * that finds the process out of fds closes the pool and tries again.
+ *
+ * Only turn it on where the request layer calls backend_host_exposed for
+ * every host fd it sends to a process whose uid is not the buffer's
+ * owner's: the backend cannot see sends, and without that call a client
+ * of another uid could keep an fd and read a later buffer made from it. */
+int backend_host_pool(backend *be, unsigned max, unsigned per_class);
+
+/* The request layer is sending fd, the memfd of a live host buffer, to a
+ * process whose uid differs from the buffer's owner's (that process may
+ * keep it forever): its memfd is closed when the buffer is freed, never
+ * pooled. An fd the backend does not know is ignored. */
+void backend_host_exposed(backend *be, int fd);
+
+/* The reuse pool, for status and metrics. */
+typedef struct backend_host_pool_stats {
+	uint64_t pooled;  /* memfds in the pool now (not live; no pages) */
+	uint64_t reused;  /* allocs served from the pool */
+	uint64_t created; /* allocs that made a new memfd */
+	uint64_t evicted; /* pooled memfds closed: bounds, out of fds, a failed
+			   * punch at reuse, the pool turned off */
+	uint64_t closed;  /* frees that closed the memfd: exposed, imported,
+			   * pooling off, or the punch failed */
+} backend_host_pool_stats;
+
+/* Fill out with the pool's figures since backend_host_new. */
+void backend_host_pool_info(backend *be, backend_host_pool_stats *out);
 
 #endif /* BB_BACKEND_H */

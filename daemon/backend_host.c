@@ -2,9 +2,31 @@
  * The host backend: every buffer is its own memfd, sealed so that no
  * client can shrink or grow it under another's mapping (SIGBUS) or add a
  * write seal that locks the others out.
+ *
+ * Freed memfds may be kept for reuse (backend_host_pool turns it on):
+ * memfd_create, ftruncate and F_ADD_SEALS cost more than one fallocate,
+ * and a sealed memfd's size never changes, so its page-rounded size is an
+ * exact size class. The rules that keep this safe:
+ *
+ * - Memory is returned when the buffer is freed: the pooled memfd's pages
+ *   are punched out (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE) before
+ *   it enters the pool, and a memfd that cannot be punched is closed.
+ * - A client that was sent the fd may keep it (or its mapping) forever
+ *   and still read and write the file. So a memfd is reused only for a
+ *   buffer of the uid it was made for (processes of one uid can already
+ *   read each other's memory), and never once it was sent to a process of
+ *   another uid: the request layer reports those sends with
+ *   backend_host_exposed, and an exposed memfd is closed when freed.
+ * - A memfd from import_fd is never pooled: its maker has it.
+ * - A reused memfd is punched again, so the new buffer reads zeros even
+ *   if a stale holder wrote to it after the free.
+ * - The pool is bounded in all and per (uid, size class); beyond a bound
+ *   the oldest pooled memfd is closed. destroy closes every pooled memfd.
+ *   Pooled memfds are not live: usage does not count them.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,11 +43,28 @@
 #define F_SEAL_FUTURE_WRITE 0x0010
 #endif
 
-/* The backend's own books, for the invariant check. */
+#define WORD_BITS 64
+
+/* A freed memfd kept for reuse. */
+typedef struct host_pooled {
+	int fd;         /* sealed memfd, its pages punched out */
+	uint32_t uid;   /* the uid it was made for */
+	uint64_t bytes; /* its file size: the size class */
+} host_pooled;
+
+/* The backend's own books. */
 typedef struct host_backend {
-	backend be;          /* be.ctx points here */
-	uint64_t live;       /* memfds handed to the broker and not yet freed */
-	uint64_t live_bytes; /* their sizes as asked for */
+	backend be;                    /* be.ctx points here */
+	uint64_t live;                 /* memfds handed to the broker and not yet freed */
+	uint64_t live_bytes;           /* their sizes as asked for */
+	uint64_t page;                 /* sizes round up to this */
+	host_pooled *pool;             /* pooled memfds, oldest first */
+	unsigned pool_n;               /* entries used in pool */
+	unsigned pool_max;             /* room in pool; 0: pooling off */
+	unsigned pool_per_class;       /* the most of one (uid, bytes) */
+	uint64_t *exposed;             /* bit per fd number: close that memfd on free */
+	size_t exposed_words;          /* words in exposed */
+	backend_host_pool_stats stats; /* pooled is pool_n, filled in on request */
 } host_backend;
 
 /* One memory more (delta 1) or fewer (delta -1). */
@@ -49,16 +88,174 @@ static int sys_fail(char *err, size_t errlen, const char *what)
 									 : BB_ERR_SYSTEM;
 }
 
-static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
-		      backend_mem *out, char *err, size_t errlen)
+/* The file size for a buffer of size bytes: whole pages. A size too large
+ * to round stays as it is (ftruncate refuses it). */
+static uint64_t host_class(const host_backend *hb, uint64_t size)
 {
-	(void)device;
-	(void)uid;
-	(void)share;
+	if (size > UINT64_MAX - (hb->page - 1))
+		return size;
+	return (size + hb->page - 1) / hb->page * hb->page;
+}
+
+/* Return the pages of fd's first bytes to the system; they read as zeros
+ * afterwards, in every mapping. */
+static int host_punch(int fd, uint64_t bytes)
+{
+	return fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)bytes);
+}
+
+/* ---- exposure: one bit per fd number ------------------------------------- */
+
+/* Make the exposed bits cover fd and set its bit to on: every memfd the
+ * backend hands out goes through here, so a bit never outlives its memfd
+ * into another. -1 when the bits cannot grow. */
+static int host_track(host_backend *hb, int fd, bool on)
+{
+	size_t w = (size_t)fd / WORD_BITS;
+	if (w >= hb->exposed_words) {
+		size_t n = hb->exposed_words ? hb->exposed_words : 16;
+		while (n <= w)
+			n *= 2;
+		uint64_t *bits = realloc(hb->exposed, n * sizeof(*bits));
+		if (!bits)
+			return -1;
+		memset(bits + hb->exposed_words, 0, (n - hb->exposed_words) * sizeof(*bits));
+		hb->exposed = bits;
+		hb->exposed_words = n;
+	}
+	uint64_t bit = UINT64_C(1) << ((unsigned)fd % WORD_BITS);
+	if (on)
+		hb->exposed[w] |= bit;
+	else
+		hb->exposed[w] &= ~bit;
+	return 0;
+}
+
+/* Whether fd's memfd was exposed; clears the bit (the memfd is being freed). */
+static bool host_untrack(host_backend *hb, int fd)
+{
+	size_t w = (size_t)fd / WORD_BITS;
+	if (w >= hb->exposed_words)
+		return true; /* not ours: never pool it */
+	uint64_t bit = UINT64_C(1) << ((unsigned)fd % WORD_BITS);
+	bool was = hb->exposed[w] & bit;
+	hb->exposed[w] &= ~bit;
+	return was;
+}
+
+void backend_host_exposed(backend *be, int fd)
+{
+	host_backend *hb = be->ctx;
+	if (fd >= 0 && (size_t)fd / WORD_BITS < hb->exposed_words)
+		hb->exposed[(size_t)fd / WORD_BITS] |= UINT64_C(1) << ((unsigned)fd % WORD_BITS);
+}
+
+/* ---- the pool: an array, oldest first ------------------------------------ */
+
+/* Take entry i out of the pool; its fd is the caller's. */
+static int pool_remove(host_backend *hb, unsigned i)
+{
+	int fd = hb->pool[i].fd;
+	memmove(&hb->pool[i], &hb->pool[i + 1], (hb->pool_n - i - 1) * sizeof(hb->pool[0]));
+	hb->pool_n--;
+	return fd;
+}
+
+/* Close every pooled memfd. */
+static void pool_drain(host_backend *hb)
+{
+	while (hb->pool_n > 0) {
+		close(pool_remove(hb, hb->pool_n - 1));
+		hb->stats.evicted++;
+	}
+}
+
+/* The newest pooled memfd of (uid, bytes), punched again, or -1. */
+static int pool_take(host_backend *hb, uint32_t uid, uint64_t bytes)
+{
+	for (unsigned i = hb->pool_n; i-- > 0;) {
+		const host_pooled *p = &hb->pool[i];
+		if (p->uid != uid || p->bytes != bytes)
+			continue;
+		int fd = pool_remove(hb, i);
+		/* Zeros even if a stale holder wrote after the free. */
+		if (host_punch(fd, bytes) < 0) {
+			close(fd);
+			hb->stats.evicted++;
+			return -1;
+		}
+		return fd;
+	}
+	return -1;
+}
+
+/* Keep fd (pages punched) for a later alloc of (uid, bytes), closing the
+ * oldest of its class or of all to make room. false: not pooled, the
+ * caller closes fd. */
+static bool pool_put(host_backend *hb, int fd, uint32_t uid, uint64_t bytes)
+{
+	if (hb->pool_max == 0)
+		return false;
+	if (host_punch(fd, bytes) < 0)
+		return false;
+	unsigned same = 0, oldest_same = 0;
+	for (unsigned i = 0; i < hb->pool_n; i++) {
+		if (hb->pool[i].uid == uid && hb->pool[i].bytes == bytes && same++ == 0)
+			oldest_same = i;
+	}
+	if (same >= hb->pool_per_class) {
+		close(pool_remove(hb, oldest_same));
+		hb->stats.evicted++;
+	} else if (hb->pool_n >= hb->pool_max) {
+		close(pool_remove(hb, 0));
+		hb->stats.evicted++;
+	}
+	hb->pool[hb->pool_n++] = (host_pooled){.fd = fd, .uid = uid, .bytes = bytes};
+	return true;
+}
+
+int backend_host_pool(backend *be, unsigned max, unsigned per_class)
+{
+	host_backend *hb = be->ctx;
+	pool_drain(hb);
+	free(hb->pool);
+	hb->pool = NULL;
+	hb->pool_max = hb->pool_per_class = 0;
+	if (max > BACKEND_HOST_POOL_MAX)
+		max = BACKEND_HOST_POOL_MAX;
+	if (per_class > max)
+		per_class = max;
+	if (max == 0 || per_class == 0)
+		return 0;
+	hb->pool = calloc(max, sizeof(*hb->pool));
+	if (!hb->pool)
+		return BB_ERR_NO_MEMORY;
+	hb->pool_max = max;
+	hb->pool_per_class = per_class;
+	return 0;
+}
+
+void backend_host_pool_info(backend *be, backend_host_pool_stats *out)
+{
+	const host_backend *hb = be->ctx;
+	*out = hb->stats;
+	out->pooled = hb->pool_n;
+}
+
+/* ---- the backend --------------------------------------------------------- */
+
+/* A new sealed memfd of bytes bytes, or a BB_ERR_* code. */
+static int host_create(host_backend *hb, uint64_t bytes, int *fd_out, char *err, size_t errlen)
+{
 	int fd = memfd_create("bufbroker", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0 && (errno == EMFILE || errno == ENFILE) && hb->pool_n > 0) {
+		/* Pooled fds are a cache: live buffers come first. */
+		pool_drain(hb);
+		fd = memfd_create("bufbroker", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	}
 	if (fd < 0)
 		return sys_fail(err, errlen, "memfd_create");
-	if (ftruncate(fd, (off_t)size) < 0) {
+	if (ftruncate(fd, (off_t)bytes) < 0) {
 		int rc = sys_fail(err, errlen, "ftruncate of a new memfd");
 		close(fd);
 		return rc;
@@ -68,7 +265,33 @@ static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int 
 		close(fd);
 		return rc;
 	}
+	*fd_out = fd;
+	return 0;
+}
+
+static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
+		      backend_mem *out, char *err, size_t errlen)
+{
+	host_backend *hb = be->ctx;
+	(void)device;
+	(void)share;
+	uint64_t bytes = host_class(hb, size);
+	int fd = pool_take(hb, uid, bytes);
+	if (fd >= 0) {
+		hb->stats.reused++;
+	} else {
+		int rc = host_create(hb, bytes, &fd, err, errlen);
+		if (rc)
+			return rc;
+		if (host_track(hb, fd, false) < 0) {
+			close(fd);
+			snprintf(err, errlen, "daemon out of memory");
+			return BB_ERR_NO_MEMORY;
+		}
+		hb->stats.created++;
+	}
 	out->fd = fd;
+	out->uid = uid;
 	out->size = size;
 	out->priv = NULL;
 	host_count(be, 1, size);
@@ -129,7 +352,14 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 		close(mine);
 		return BB_ERR_INVALID;
 	}
+	/* Its maker holds the file: exposed from the start, never pooled. */
+	if (host_track(be->ctx, mine, true) < 0) {
+		close(mine);
+		snprintf(err, errlen, "daemon out of memory");
+		return BB_ERR_NO_MEMORY;
+	}
 	out->fd = mine;
+	out->uid = 0;
 	out->size = size;
 	out->priv = NULL;
 	host_count(be, 1, size);
@@ -138,11 +368,17 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 
 static void host_free(backend *be, backend_mem *mem)
 {
-	if (mem->fd >= 0) {
-		close(mem->fd);
-		host_count(be, -1, mem->size);
-	}
+	host_backend *hb = be->ctx;
+	int fd = mem->fd;
+	if (fd < 0)
+		return;
 	mem->fd = -1;
+	host_count(be, -1, mem->size);
+	bool exposed = host_untrack(hb, fd);
+	if (exposed || !pool_put(hb, fd, mem->uid, host_class(hb, mem->size))) {
+		close(fd);
+		hb->stats.closed++;
+	}
 }
 
 static int host_export(backend *be, const backend_mem *mem, backend_export *out, char *err,
@@ -164,7 +400,11 @@ static void host_usage(backend *be, uint64_t *buffers, uint64_t *bytes)
 
 static void host_destroy(backend *be)
 {
-	free(be->ctx);
+	host_backend *hb = be->ctx;
+	pool_drain(hb);
+	free(hb->pool);
+	free(hb->exposed);
+	free(hb);
 }
 
 backend *backend_host_new(void)
@@ -172,6 +412,8 @@ backend *backend_host_new(void)
 	host_backend *hb = calloc(1, sizeof(*hb));
 	if (!hb)
 		return NULL;
+	long page = sysconf(_SC_PAGESIZE);
+	hb->page = page > 0 ? (uint64_t)page : 4096;
 	backend *be = &hb->be;
 	be->ctx = hb;
 	be->name = "host";

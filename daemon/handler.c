@@ -119,6 +119,9 @@ static void grant(req_ctx *r, broker_buf *buf)
 		reply_error(r, rc, err.msg);
 		return;
 	}
+	/* A process of another uid may keep the fd: never reuse its memfd. */
+	if (ex.fd >= 0 && info.owner_uid != r->c->uid)
+		backend_host_exposed(s->host, ex.fd);
 	fill_info(&bi, &info);
 	g.info = &bi;
 	if (ex.has_ipc) {

@@ -246,6 +246,15 @@ static int render(server *s, char **out, size_t *len)
 	family(f, "bufbroker_parked_allocs", "gauge",
 	       "Alloc requests waiting for the backend to make device memory.");
 	fprintf(f, "bufbroker_parked_allocs %zu\n", parked);
+	backend_host_pool_stats ps;
+	backend_host_pool_info(s->host, &ps);
+	family(f, "bufbroker_host_pooled_memfds", "gauge",
+	       "Memfds of freed host buffers kept, empty, for reuse.");
+	fprintf(f, "bufbroker_host_pooled_memfds %" PRIu64 "\n", ps.pooled);
+	family(f, "bufbroker_host_memfds_total", "counter",
+	       "Host buffers made, by where their memfd came from: new, or reused from the pool.");
+	fprintf(f, "bufbroker_host_memfds_total{source=\"new\"} %" PRIu64 "\n", ps.created);
+	fprintf(f, "bufbroker_host_memfds_total{source=\"reused\"} %" PRIu64 "\n", ps.reused);
 
 	uid_ctx u = {.f = f, .bytes = false};
 	family(f, "bufbroker_uid_buffers", "gauge", "Live buffers, by owner uid.");

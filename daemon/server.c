@@ -497,6 +497,9 @@ static int server_init(server *s, uv_loop_t *loop, const server_config *cfg)
 		return -1;
 	}
 	broker_set_backend(s->b, BB_HOST, s->host, NULL);
+	/* Safe because grant() reports cross-uid sends (backend_host_exposed);
+	 * on failure pooling stays off. */
+	backend_host_pool(s->host, BACKEND_HOST_POOL_DEFAULT, BACKEND_HOST_POOL_PER_CLASS_DEFAULT);
 	start_cuda(s);
 
 	uv_timer_init(loop, &s->token_timer);

@@ -284,10 +284,13 @@ bool bbt_log_wait_line(const bbt_daemon *d, size_t from, int timeout_ms, const c
 	}
 }
 
-int bbt_daemon_memfds(const bbt_daemon *d)
+/* The daemon's open memfds (from /proc/PID/fd): how many, and the bytes of
+ * memory they hold (their st_blocks). -1 when /proc cannot be read. */
+static int scan_memfds(const bbt_daemon *d, long long *bytes)
 {
 	char dir[64];
 	int n = 0;
+	*bytes = 0;
 	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)d->pid);
 	DIR *dp = opendir(dir);
 	if (!dp)
@@ -295,16 +298,32 @@ int bbt_daemon_memfds(const bbt_daemon *d)
 	struct dirent *e;
 	while ((e = readdir(dp))) {
 		char path[384], target[256];
+		struct stat st;
 		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
 		ssize_t len = readlink(path, target, sizeof(target) - 1);
 		if (len <= 0)
 			continue;
 		target[len] = '\0';
-		if (!strncmp(target, "/memfd:", 7))
-			n++;
+		if (strncmp(target, "/memfd:", 7) != 0)
+			continue;
+		n++;
+		if (stat(path, &st) == 0)
+			*bytes += (long long)st.st_blocks * 512;
 	}
 	closedir(dp);
 	return n;
+}
+
+int bbt_daemon_memfds(const bbt_daemon *d)
+{
+	long long bytes;
+	return scan_memfds(d, &bytes);
+}
+
+long long bbt_daemon_memfd_bytes(const bbt_daemon *d)
+{
+	long long bytes;
+	return scan_memfds(d, &bytes) < 0 ? -1 : bytes;
 }
 
 int bbt_daemon_fds(const bbt_daemon *d)

@@ -57,8 +57,13 @@ size_t bbt_log_size(const bbt_daemon *d);
  * (case-insensitive). */
 bool bbt_log_wait_line(const bbt_daemon *d, size_t from, int timeout_ms,
 		       const char *const *needles);
-/* memfds the daemon process has open (from /proc/PID/fd), or -1. */
+/* memfds the daemon process has open (from /proc/PID/fd), or -1. Freed
+ * host buffers' memfds may stay open, empty, in the daemon's reuse pool
+ * (at most BBT_HOST_POOL_MAX). */
 int bbt_daemon_memfds(const bbt_daemon *d);
+#define BBT_HOST_POOL_MAX 64
+/* Bytes of memory the daemon's memfds hold (their st_blocks), or -1. */
+long long bbt_daemon_memfd_bytes(const bbt_daemon *d);
 /* Every fd the daemon process has open (from /proc/PID/fd), or -1. */
 int bbt_daemon_fds(const bbt_daemon *d);
 /* The daemon's resident memory in KiB (VmRSS in /proc/PID/status), or -1. */

@@ -117,6 +117,7 @@ grep -q '^bufbroker_build_info{version="[^"]*",protocol="[0-9]*\.[0-9]*"} 1$' <<
 	fail "no bufbroker_build_info line"
 # Every family has HELP and TYPE; every sample belongs to a declared family.
 for name in connections buffers buffer_bytes tokens parked_waits uid_buffers uid_bytes \
+	host_pooled_memfds host_memfds_total \
 	device_buffer_bytes device_reserved_bytes device_limit_bytes device_free_bytes \
 	requests_total request_duration_seconds refused_total uptime_seconds build_info; do
 	grep -q "^# HELP bufbroker_$name " <<<"$SCRAPE" || fail "no HELP line for bufbroker_$name"
@@ -167,6 +168,10 @@ expect "bufbroker_uid_bytes{uid=\"$UID_NOW\",kind=\"host\"}" $((65536 + 4096))
 expect 'bufbroker_tokens' 2
 expect 'bufbroker_parked_waits' 0
 expect 'bufbroker_connections' 0
+# bbt-m1's memfd, freed by the consumer (same uid), served bbt-m2.
+expect 'bufbroker_host_memfds_total{source="new"}' 2
+expect 'bufbroker_host_memfds_total{source="reused"}' 1
+expect 'bufbroker_host_pooled_memfds' 0
 
 STEP="histogram counts match the requests"
 for op in hello alloc take adopt stat; do

@@ -223,6 +223,39 @@ static int holder_child(void *arg)
 	return 0;
 }
 
+/* A freed host buffer's memfd is kept, emptied, and serves the next alloc
+ * of its uid and page-rounded size: the new buffer reads zeros. */
+Test(api, freed_host_memfd_is_reused_empty_for_the_same_uid)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	enum { SIZE = 64 * 1024 };
+	int memfds0 = bbt_daemon_memfds(d);
+	bb_info info;
+
+	bb_buf *b = alloc_host(c, SIZE, NULL, BB_SHARE_UID);
+	uint64_t id = bb_id(b);
+	memset(map_of(b), 0xab, SIZE);
+	bb_unref(b);
+	cr_assert_eq(bb_stat(c, id, &info), BB_ERR_NOT_FOUND, "the buffer was not freed");
+	cr_assert_eq(bbt_daemon_memfds(d), memfds0 + 1, "the freed memfd was not kept for reuse");
+	cr_assert_eq(bbt_daemon_memfd_bytes(d), 0, "the kept memfd still holds memory");
+
+	/* Same page-rounded size: the kept memfd, empty. */
+	b = alloc_host(c, SIZE - 100, NULL, BB_SHARE_UID);
+	cr_assert_eq(bbt_daemon_memfds(d), memfds0 + 1, "a same-sized alloc made a new memfd");
+	const unsigned char *p = map_of(b);
+	for (size_t i = 0; i < SIZE - 100; i++)
+		cr_assert_eq(p[i], 0, "byte %zu of a reused memfd is %#x, not 0", i, p[i]);
+	/* Another size: a new memfd. */
+	bb_buf *other = alloc_host(c, 2 * SIZE, NULL, BB_SHARE_UID);
+	cr_assert_eq(bbt_daemon_memfds(d), memfds0 + 2, "another size reused a memfd");
+	bb_unref(other);
+	bb_unref(b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
 Test(api, refs_count_processes_not_local_copies)
 {
 	bbt_daemon *d = bbt_start(NULL);
@@ -267,7 +300,7 @@ Test(api, refs_count_processes_not_local_copies)
 	bbt_stop_clean(d);
 }
 
-Test(api, last_unref_frees_buffer_and_its_memfd)
+Test(api, last_unref_frees_buffer_and_returns_its_memory)
 {
 	bbt_daemon *d = bbt_start(NULL);
 	bb_client *c = bbt_connect(d);
@@ -277,7 +310,8 @@ Test(api, last_unref_frees_buffer_and_its_memfd)
 
 	bb_buf *b = alloc_host(c, 1 << 20, NULL, BB_SHARE_UID);
 	uint64_t id = bb_id(b);
-	map_of(b);
+	memset(map_of(b), 1, 1 << 20);
+	cr_assert_geq(bbt_daemon_memfd_bytes(d), 1 << 20, "the buffer's pages are not in a memfd");
 	cr_assert_eq(bbt_server_totals(c, &t), 0);
 	cr_assert_eq(t.host_buffers, 1);
 	cr_assert_geq(t.bytes, 1 << 20);
@@ -291,8 +325,9 @@ Test(api, last_unref_frees_buffer_and_its_memfd)
 	cr_assert_eq(bbt_server_totals(c, &t), 0);
 	cr_assert_eq(t.buffers, 0, "buffers left after the last unref");
 	cr_assert_eq(t.bytes, 0, "bytes left after the last unref");
-	cr_assert_eq(bbt_daemon_memfds(d), memfds0,
-		     "the daemon still has the freed buffer's memfd open");
+	cr_assert_eq(bbt_daemon_memfd_bytes(d), 0, "the freed buffer's memory was not returned");
+	cr_assert_leq(bbt_daemon_memfds(d), memfds0 + 1,
+		      "the daemon has more memfds open than it ever had buffers");
 	bb_disconnect(c);
 	bbt_stop_clean(d);
 }

@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -513,6 +514,86 @@ Test(security, other_uids_are_refused_by_uid_policy_admitted_by_gid_or_any_and_b
 	code = bbt_join(owner, CHILD_TIMEOUT_MS);
 	cr_assert_eq(code, 0, "the owner failed at step %d", code);
 	bbt_chan_close(&x.ch);
+	assert_accounting_zero(root, 1);
+	bb_disconnect(root);
+	bbt_stop_clean(d);
+}
+
+/* ---- a memfd sent to another uid is never reused ------------------------------ */
+
+struct stale_ctx {
+	const char *sock;
+	uint64_t id;   /* root's buffer, BB_SHARE_ANY */
+	size_t size;
+	uint32_t seed; /* what root writes into the buffer made after the free */
+	bbt_chan ch;
+};
+
+/* Uid B opens root's buffer on the wire, keeps the memfd it is sent,
+ * gives its count back and goes; after root freed that buffer and made
+ * another of the same size, the kept memfd must not show the new one. */
+static int stale_holder_child(void *arg)
+{
+	struct stale_ctx *x = arg;
+	bb_client *c = NULL;
+	int fd = -1;
+	char go;
+
+	if (become(UID_B, GID_B, 0, NULL) != 0)
+		return 9;
+	if (bb_connect(x->sock, &c) != 0)
+		return 10;
+	if (call_open_fd(c, x->id, &fd) != 0 || fd < 0)
+		return 11;
+	if (bb_release(c, x->id, 1) != 0)
+		return 12;
+	bb_disconnect(c);
+	if (bbt_send(x->ch.fd[1], "k", 1) != 0)
+		return 13;
+	if (bbt_recv(x->ch.fd[1], &go, 1, CHILD_TIMEOUT_MS) != 0)
+		return 14;
+	void *p = mmap(NULL, x->size, PROT_READ, MAP_SHARED, fd, 0);
+	if (p == MAP_FAILED)
+		return 15;
+	bool leaked = bbt_check(p, x->size, x->seed);
+	munmap(p, x->size);
+	close(fd);
+	return leaked ? 16 : 0;
+}
+
+Test(security, a_memfd_sent_to_another_uid_is_never_reused)
+{
+	NEED_ROOT();
+	bbt_daemon *d = start_open(NULL);
+	bb_client *root = bbt_connect(d);
+	struct stale_ctx x = {.sock = d->sock, .size = 64 * 1024, .seed = 4242};
+	bb_alloc_opts o = {.size = x.size, .kind = BB_HOST, .share = BB_SHARE_ANY};
+	bb_buf *a = NULL, *b = NULL;
+	bb_info info;
+	void *p;
+
+	cr_assert_eq(bb_alloc(root, &o, &a), 0, "bb_alloc: %s", bb_last_error());
+	x.id = bb_id(a);
+	bbt_chan_open(&x.ch);
+	pid_t holder = bbt_spawn(stale_holder_child, &x);
+	char k;
+	cr_assert_eq(bbt_recv(x.ch.fd[0], &k, 1, CHILD_TIMEOUT_MS), 0,
+		     "the holder did not get the memfd (exit %d)", bbt_join(holder, 100));
+	int memfds = bbt_daemon_memfds(d);
+	bb_unref(a);
+	cr_assert_eq(bb_stat(root, x.id, &info), BB_ERR_NOT_FOUND, "the buffer was not freed");
+	cr_assert_eq(bbt_daemon_memfds(d), memfds - 1,
+		     "the daemon kept a memfd that uid %d still has", UID_B);
+
+	cr_assert_eq(bb_alloc(root, &o, &b), 0, "bb_alloc: %s", bb_last_error());
+	cr_assert_eq(bb_map(b, &p), 0);
+	bbt_fill(p, x.size, x.seed);
+	cr_assert_eq(bbt_send(x.ch.fd[0], "g", 1), 0);
+	int code = bbt_join(holder, CHILD_TIMEOUT_MS);
+	cr_assert_neq(code, 16, "uid %d read root's new buffer through a memfd it kept", UID_B);
+	cr_assert_eq(code, 0, "the holder failed at step %d", code);
+	bbt_chan_close(&x.ch);
+	bb_unref(b);
 	assert_accounting_zero(root, 1);
 	bb_disconnect(root);
 	bbt_stop_clean(d);
