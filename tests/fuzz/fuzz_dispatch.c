@@ -33,6 +33,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <utlist.h>
@@ -95,6 +96,25 @@ static void fail(const char *fmt, ...)
 	abort();
 }
 
+/* poll(2) without waiting, again when a signal interrupted it (libFuzzer's
+ * -timeout runs a SIGALRM every second). */
+static int poll_now(struct pollfd *p, nfds_t n)
+{
+	int rc;
+	do
+		rc = poll(p, n, 0);
+	while (rc < 0 && errno == EINTR);
+	return rc;
+}
+
+/* Sleep ms milliseconds of real time, signals or not. */
+static void sleep_ms(int ms)
+{
+	struct timespec left = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+	while (nanosleep(&left, &left) < 0 && errno == EINTR)
+		;
+}
+
 /* Open fds below FD_PROBE, in one system call (poll marks closed ones). */
 static int open_fds(void)
 {
@@ -103,7 +123,7 @@ static int open_fds(void)
 		g.probe[i].events = 0;
 		g.probe[i].revents = 0;
 	}
-	if (poll(g.probe, (nfds_t)g.nprobe, 0) < 0)
+	if (poll_now(g.probe, (nfds_t)g.nprobe) < 0)
 		fail("poll: %s", strerror(errno));
 	int n = 0;
 	for (int i = 0; i < g.nprobe; i++)
@@ -283,7 +303,7 @@ static void settle(fuzz_run *fr, bool nodrain)
 			}
 			p[n++] = (struct pollfd){.fd = c->fd, .events = POLLIN | POLLRDHUP};
 		}
-		if (poll(p, (nfds_t)n, 0) < 0)
+		if (poll_now(p, (nfds_t)n) < 0)
 			fail("poll: %s", strerror(errno));
 		for (int i = 0; i < 2; i++)
 			if (p[i].revents && drain(fr, i))
@@ -500,7 +520,7 @@ static void run_record(fuzz_run *fr, uint8_t ctl, const uint8_t *p, size_t len)
 		 * per input: the time is real, and fuzzing speed pays for it. */
 		int due = uv_backend_timeout(&fr->loop);
 		if (arg == 1 && !fr->slept && due >= 0 && due <= FUZZ_TIMER_WAIT_MS) {
-			poll(NULL, 0, due + 1);
+			sleep_ms(due + 1);
 			fr->slept = true;
 		}
 		for (int k = 0; k <= (len ? p[0] % 16 : 0); k++) {
