@@ -16,6 +16,16 @@
  * so a fresh slab is not evicted before the request it was made for had
  * its turn, and a dedicated allocation whose requester went away (its
  * connection closed) is freed there.
+ *
+ * Inside a slab every range is an extent, live (a buffer) or free, and all
+ * of them are on the slab's address list, by offset, tiling the slab with
+ * no gap, no overlap and no two free extents side by side. The free ones
+ * are also on the slab's free list, which carve searches first fit; it is
+ * not by offset (a new free range goes last). The address list is what
+ * keeps freeing O(1): a freed extent merges with whichever of its two
+ * neighbours is free without a search (a client with a million small
+ * buffers that disconnects frees them all in hash order). An empty slab
+ * has exactly one free extent.
  */
 #include <inttypes.h>
 #include <stdbool.h>
@@ -40,15 +50,28 @@ typedef struct pool pool;
 typedef struct slab slab;
 typedef struct grow_job grow_job;
 
-/* A range of a slab: a live buffer (backend_mem.priv) or a free range on
- * the slab's free list. A freed buffer's extent joins the free list (or
- * merges into a neighbour), so freeing never allocates. */
+/* A range of a slab: a live buffer (backend_mem.priv) or a free range.
+ * Every extent is on the slab's address list; a free one is on its free
+ * list too, and prev is non-NULL exactly then (utlist never leaves prev
+ * NULL for a member, a live extent starts with it NULL, and an extent
+ * leaves the free list only to be freed). A freed buffer's extent merges
+ * into a free neighbour or joins the free list, so freeing never
+ * allocates. A daemon holds one per CUDA buffer: up to 56 bytes, calloc
+ * takes a 64-byte chunk. */
 typedef struct extent {
-	slab *slab;                 /* where it lies */
-	uint64_t off;               /* multiple of BACKEND_CUDA_ALIGN */
-	uint64_t len;               /* multiple of BACKEND_CUDA_ALIGN */
-	struct extent *prev, *next; /* the slab's free list, by offset */
+	slab *slab;                   /* where it lies */
+	uint64_t off;                 /* multiple of BACKEND_CUDA_ALIGN */
+	uint64_t len;                 /* multiple of BACKEND_CUDA_ALIGN */
+	struct extent *aprev, *anext; /* the slab's extents, live and free, by offset */
+	struct extent *prev, *next;   /* the slab's free list; prev NULL: live */
 } extent;
+_Static_assert(sizeof(extent) <= 56, "an extent must fit a 64-byte malloc chunk");
+
+/* Whether e is a free range (on its slab's free list). */
+static bool extent_is_free(const extent *e)
+{
+	return e->prev != NULL;
+}
 
 /* One cuMemAlloc allocation. */
 struct slab {
@@ -61,7 +84,8 @@ struct slab {
 	bool fresh;            /* made since the last settle (see the top) */
 	bool cached;           /* empty, on the device's cache list */
 	uint32_t live;         /* buffers in it */
-	extent *free;          /* free ranges, by offset, coalesced */
+	extent *extents;       /* every extent, by offset: tiles [0, size) */
+	extent *free;          /* the free extents; a new one goes last (first fit) */
 	slab *prev, *next;     /* the pool's slabs, oldest first */
 	slab *cprev, *cnext;   /* the device's cache list, oldest first */
 };
@@ -229,6 +253,18 @@ static void free_done(backend_job *job)
 	free(f);
 }
 
+/* Free the free extents of s, which is going away. A live extent belongs
+ * to its buffer (backend_mem.priv) and stays. */
+static void slab_free_extents(slab *s)
+{
+	extent *e, *tmp;
+	DL_FOREACH_SAFE (s->free, e, tmp) {
+		DL_DELETE(s->free, e);
+		free(e);
+	}
+	s->extents = NULL;
+}
+
 /* Take s out of its pool and free its allocation off the loop thread.
  * reserved drops when that is done. s must hold no buffer. */
 static void slab_release(cuda_backend *cu, slab *s)
@@ -236,11 +272,7 @@ static void slab_release(cuda_backend *cu, slab *s)
 	cuda_dev *d = s->pool->dev;
 	cache_remove(d, s);
 	DL_DELETE(s->pool->slabs, s);
-	extent *e, *tmp;
-	DL_FOREACH_SAFE (s->free, e, tmp) {
-		DL_DELETE(s->free, e);
-		free(e);
-	}
+	slab_free_extents(s);
 	d->freeing += s->size;
 	free_job *f = calloc(1, sizeof(*f));
 	if (f) {
@@ -370,6 +402,7 @@ static void grow_done(backend_job *job)
 		e->slab = s;
 		e->off = 0;
 		e->len = s->size;
+		DL_APPEND2(s->extents, e, aprev, anext);
 		DL_APPEND(s->free, e);
 		d->reserved += s->size;
 		DL_APPEND(p->slabs, s);
@@ -504,9 +537,10 @@ static pool *pool_get(cuda_backend *cu, int device, uint32_t uid, int share)
 	return p;
 }
 
-/* Carve len bytes out of p into x (first fit, oldest slab first); a
- * dedicated request takes an unclaimed allocation of exactly len. NULL
- * when nothing fits. */
+/* Carve len bytes out of p into x (first fit over each slab's free
+ * extents, oldest slab first); a dedicated request takes an unclaimed
+ * allocation of exactly len. x becomes a live extent on the slab's address
+ * list. NULL when nothing fits. */
 static slab *carve(pool *p, uint64_t len, bool dedicated, extent *x)
 {
 	slab *s;
@@ -520,12 +554,16 @@ static slab *carve(pool *p, uint64_t len, bool dedicated, extent *x)
 		}
 		if (!e)
 			continue;
+		/* x takes the front of e: it goes before e by address. */
 		x->slab = s;
 		x->off = e->off;
 		x->len = len;
+		x->prev = x->next = NULL;
+		DL_PREPEND_ELEM2(s->extents, e, x, aprev, anext);
 		e->off += len;
 		e->len -= len;
 		if (e->len == 0) {
+			DL_DELETE2(s->extents, e, aprev, anext);
 			DL_DELETE(s->free, e);
 			free(e);
 		}
@@ -536,34 +574,37 @@ static slab *carve(pool *p, uint64_t len, bool dedicated, extent *x)
 	return NULL;
 }
 
-/* Give x's range back to its slab's free list, merging with neighbours;
- * x is freed or becomes a free-list node. */
+/* Give live extent x's range back to its slab, merging with whichever of
+ * its neighbours by address is free: O(1), no search, no allocation. x is
+ * freed or becomes a free-list node. */
 static void extent_put(extent *x)
 {
 	slab *s = x->slab;
-	extent *e, *prev = NULL;
-	DL_FOREACH (s->free, e) {
-		if (e->off > x->off)
-			break;
-		prev = e;
-	}
-	bool with_prev = prev && prev->off + prev->len == x->off;
-	bool with_next = e && x->off + x->len == e->off;
-	if (with_prev && with_next) {
-		prev->len += x->len + e->len;
-		DL_DELETE(s->free, e);
-		free(e);
-		free(x);
-	} else if (with_prev) {
+	extent *prev = x == s->extents ? NULL : x->aprev; /* the head's aprev is the tail */
+	extent *next = x->anext;
+	bool with_prev = prev && extent_is_free(prev);
+	bool with_next = next && extent_is_free(next);
+
+	if (with_prev) {
+		/* prev grows over x (and next): it is on the free list already. */
 		prev->len += x->len;
+		DL_DELETE2(s->extents, x, aprev, anext);
 		free(x);
+		if (with_next) {
+			prev->len += next->len;
+			DL_DELETE2(s->extents, next, aprev, anext);
+			DL_DELETE(s->free, next);
+			free(next);
+		}
 	} else if (with_next) {
-		e->off = x->off;
-		e->len += x->len;
+		next->off = x->off;
+		next->len += x->len;
+		DL_DELETE2(s->extents, x, aprev, anext);
 		free(x);
-	} else if (e) {
-		DL_PREPEND_ELEM(s->free, e, x);
 	} else {
+		/* Last in the free list: first fit over a FIFO list fragments
+		 * about as little as by address, and LIFO markedly more
+		 * (Johnstone and Wilson, 1998). */
 		DL_APPEND(s->free, x);
 	}
 }
@@ -715,11 +756,7 @@ static void cuda_destroy(backend *be)
 					 " buffers=%u",
 					 p->dev->ordinal, s->allocation, s->live);
 			cu->api.MemFree(s->base);
-			extent *e, *etmp;
-			DL_FOREACH_SAFE (s->free, e, etmp) {
-				DL_DELETE(s->free, e);
-				free(e);
-			}
+			slab_free_extents(s);
 			DL_DELETE(p->slabs, s);
 			free(s);
 		}
