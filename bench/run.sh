@@ -31,8 +31,10 @@
 # bufbroker-bench moves the servers between the two (--server-pids).
 # Latency figures are medians over repetitions. The daemon's open-file limit
 # is raised (root with CAP_SYS_RESOURCE only) so that the scale scenario can
-# hold a million memfds; where it cannot be, the scale levels stop at what
-# the limit allows, and the table says so.
+# hold a million memfds; where it cannot be, the host scale levels stop at
+# what the limit allows, and the table says so. The scale scenario's second
+# series holds the same levels as 256 B CUDA buffers (no fd each), so it
+# reaches a million wherever there is a CUDA driver, the fake one included.
 #
 # CUDA: $BUFBROKER_CUDA_LIBRARY when set; else the real driver when
 # libcuda.so.1 is installed; else the build's libfakecuda.so (the figures
@@ -107,6 +109,7 @@ OUT=$(cd "$OUT" && pwd)
 # ---- servers -------------------------------------------------------------------
 DIR=$(mktemp -d /tmp/bbbench-XXXXXX)
 DPID=
+CPID=
 EPID=
 RPID=
 
@@ -125,11 +128,14 @@ cleanup() {
 	stop "$EPID" 5
 	stop "$RPID" 5
 	stop "$DPID" 60
+	stop "$CPID" 60
 	# A sanitizer build's report at the daemon's exit must reach the caller.
-	if grep -qE "Sanitizer|runtime error:" "$DIR/daemon.log" 2>/dev/null; then
-		echo "---- bufbrokerd log (sanitizer report) ----" >&2
-		cat "$DIR/daemon.log" >&2
-	fi
+	for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log"; do
+		if grep -qE "Sanitizer|runtime error:" "$log" 2>/dev/null; then
+			echo "---- bufbrokerd log (sanitizer report): $log ----" >&2
+			cat "$log" >&2
+		fi
+	done
 	rm -rf "$DIR"
 }
 trap cleanup EXIT
@@ -165,8 +171,12 @@ else
 	done
 fi
 
-# The scale scenario keeps up to a million buffers, one memfd each: raise the
-# daemon's open-file limit (root may raise the hard limit up to fs.nr_open).
+# The scale scenario keeps up to a million host buffers, one memfd each: raise
+# the daemon's open-file limit (root may raise the hard limit up to fs.nr_open).
+# Its CUDA series keeps as many 256 B CUDA buffers, in a second daemon (below):
+# 256 MiB of 64 MiB slabs, within the default per-device limit (90% of the
+# device; the fake driver's is FAKECUDA_MEMORY, 1 GiB by default, shared by
+# both daemons) and the per-uid one given here.
 MAX_LEVEL=1000000
 [[ $QUICK -eq 1 ]] && MAX_LEVEL=100000
 WANT_FILES=$((MAX_LEVEL + 4096))
@@ -184,15 +194,29 @@ wait_socket() { # wait_socket PATH PID WHAT
 	return 1
 }
 
-bb_log "starting bufbrokerd, the echo server and redis-server in $DIR"
+bb_log "starting bufbrokerd (a second one with CUDA), the echo server and redis-server in $DIR"
 (
 	ulimit -n "$WANT_FILES" 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 	exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb.sock" --log-level warn \
-		--uid-buffers $((MAX_LEVEL + 100000)) --uid-host-bytes 1T \
+		--uid-buffers $((MAX_LEVEL + 100000)) --uid-host-bytes 1T --uid-cuda-bytes 1T \
 		--max-connections 4096
 ) >"$DIR/daemon.log" 2>&1 &
 DPID=$!
 wait_socket "$DIR/bb.sock" "$DPID" bufbrokerd || { cat "$DIR/daemon.log" >&2; exit 1; }
+
+# A second daemon, idle until the CUDA scale series runs on it: the first
+# one's heap keeps what the host series freed, and CUDA buffers reusing it
+# would read as costing nothing.
+SCALE_CUDA_ARG=()
+if [[ ${#CUDA_ARG[@]} -gt 0 ]]; then
+	"${PIN[@]}" "$DAEMON" --socket "$DIR/bb-cuda.sock" --log-level warn \
+		--uid-buffers $((MAX_LEVEL + 100000)) --uid-cuda-bytes 1T \
+		--max-connections 4096 >"$DIR/daemon-cuda.log" 2>&1 &
+	CPID=$!
+	wait_socket "$DIR/bb-cuda.sock" "$CPID" "the second bufbrokerd" ||
+		{ cat "$DIR/daemon-cuda.log" >&2; exit 1; }
+	SCALE_CUDA_ARG=(--scale-cuda-socket "$DIR/bb-cuda.sock" --scale-cuda-pid "$CPID")
+fi
 
 "${PIN[@]}" "$BENCH" echo-server --socket "$DIR/echo.sock" >"$DIR/echo.log" 2>&1 &
 EPID=$!
@@ -219,21 +243,26 @@ CONDITIONS="$(nproc) CPUs; load average at start $(cut -d' ' -f1-3 /proc/loadavg
 CONDITIONS+=" daemon open-file limit $(awk '/Max open files/ {print $4}' "/proc/$DPID/limits");"
 CONDITIONS+=" CUDA: $CUDA_DESC"
 
-SERVER_PIDS="$DPID,$EPID${RPID:+,$RPID}"
+SERVER_PIDS="$DPID,$EPID${RPID:+,$RPID}${CPID:+,$CPID}"
 QUICK_ARG=()
 [[ $QUICK -eq 1 ]] && QUICK_ARG=(--quick)
 bb_log "running bufbroker-bench${QUICK_ARG:+ --quick} (CUDA: $CUDA_DESC)"
 rc=0
 "$BENCH" run --bb-socket "$DIR/bb.sock" --echo-socket "$DIR/echo.sock" "${REDIS_ARG[@]}" \
-	--daemon-pid "$DPID" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" "${QUICK_ARG[@]}" "${CUDA_ARG[@]}" \
+	--daemon-pid "$DPID" "${SCALE_CUDA_ARG[@]}" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" \
+	"${QUICK_ARG[@]}" "${CUDA_ARG[@]}" \
 	--json "$OUT/bench.json" --plot-data "$OUT" \
 	--commit "$COMMIT" --command "$CMDLINE" --conditions "$CONDITIONS" \
 	"${EXTRA[@]}" | tee "$OUT/bench.txt" || rc=$?
 kill -0 "$DPID" 2>/dev/null || { echo "run.sh: bufbrokerd died during the run" >&2; rc=1; }
-if [[ -s $DIR/daemon.log ]]; then
-	echo "---- bufbrokerd log ----"
-	tail -n 20 "$DIR/daemon.log"
-fi
+[[ -z $CPID ]] || kill -0 "$CPID" 2>/dev/null ||
+	{ echo "run.sh: the second bufbrokerd (CUDA scale) died during the run" >&2; rc=1; }
+for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log"; do
+	if [[ -s $log ]]; then
+		echo "---- bufbrokerd log: ${log##*/} ----"
+		tail -n 20 "$log"
+	fi
+done
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/bench.txt"
 [[ $rc -eq 0 ]] || exit "$rc"
 

@@ -153,9 +153,14 @@ typedef struct bench_opts {
 	uint64_t dur_ns; /* per repetition of a closed loop */
 	int counts[8];   /* client counts for the round trip */
 	int ncounts;
-	rt_config rt;      /* servers */
-	int daemon_pid;    /* for RSS and the fd limit; 0: unknown */
-	uint64_t scale[4]; /* live-buffer levels */
+	rt_config rt;   /* servers */
+	int daemon_pid; /* for RSS and the fd limit; 0: unknown */
+	/* The CUDA scale series runs on a second bufbrokerd, idle until then,
+	 * so that the heap the host series freed does not hide what its
+	 * buffers cost; NULL: on bb_socket and daemon_pid. */
+	const char *scale_cuda_socket; /* its socket */
+	int scale_cuda_pid;            /* its pid */
+	uint64_t scale[4];             /* live-buffer levels */
 	int nscale;
 	size_t zc_bytes; /* zero-copy size */
 	int cuda;        /* try the CUDA scenarios */

@@ -31,6 +31,9 @@ static void usage(FILE *f)
 		"  --echo-socket PATH    the echo server's socket\n"
 		"  --redis-socket PATH   redis-server's Unix socket (Redis rows skipped without)\n"
 		"  --daemon-pid PID      bufbrokerd's pid, for its RSS and open-file limit\n"
+		"  --scale-cuda-socket PATH, --scale-cuda-pid PID\n"
+		"                        a second bufbrokerd for the CUDA scale series, idle\n"
+		"                        until then (default: the first)\n"
 		"  --server-cpu N        pin the servers to CPU N and the client to another for\n"
 		"                        single-client figures (default: nothing pinned)\n"
 		"  --server-pids LIST    the servers' pids, so the bench can pin them (for one\n"
@@ -39,8 +42,9 @@ static void usage(FILE *f)
 		"  --reps N              repetitions per figure (default 11, quick 1)\n"
 		"  --duration SECONDS    per repetition of a closed loop (default 0.4, quick 0.2)\n"
 		"  --clients LIST        client counts (default 1,4,16,64)\n"
-		"  --scale LIST          live-buffer levels (default 1000,100000,1000000;\n"
-		"                        quick 1000,10000,100000)\n"
+		"  --scale LIST          live-buffer levels of both scale series, host and\n"
+		"                        CUDA (default 1000,100000,1000000; quick\n"
+		"                        1000,10000,100000)\n"
 		"  --zc-mib N            zero-copy size in MiB (default 256, quick 64)\n"
 		"  --cuda                run the CUDA scenarios ($BUFBROKER_CUDA_LIBRARY)\n"
 		"  --only LIST           scenario groups: roundtrip,local,host,zerocopy,cuda,scale\n"
@@ -143,6 +147,8 @@ enum {
 	OPT_ECHO,
 	OPT_REDIS,
 	OPT_PID,
+	OPT_SCALE_CUDA_SOCKET,
+	OPT_SCALE_CUDA_PID,
 	OPT_SERVER_CPU,
 	OPT_SERVER_PIDS,
 	OPT_QUICK,
@@ -167,6 +173,8 @@ static const struct option options[] = {
 	{"echo-socket", required_argument, NULL, OPT_ECHO},
 	{"redis-socket", required_argument, NULL, OPT_REDIS},
 	{"daemon-pid", required_argument, NULL, OPT_PID},
+	{"scale-cuda-socket", required_argument, NULL, OPT_SCALE_CUDA_SOCKET},
+	{"scale-cuda-pid", required_argument, NULL, OPT_SCALE_CUDA_PID},
 	{"server-cpu", required_argument, NULL, OPT_SERVER_CPU},
 	{"server-pids", required_argument, NULL, OPT_SERVER_PIDS},
 	{"quick", no_argument, NULL, OPT_QUICK},
@@ -245,6 +253,8 @@ int main(int argc, char **argv)
 		case OPT_ECHO: o.rt.echo_socket = optarg; break;
 		case OPT_REDIS: o.rt.redis_socket = optarg; break;
 		case OPT_PID: o.daemon_pid = atoi(optarg); break;
+		case OPT_SCALE_CUDA_SOCKET: o.scale_cuda_socket = optarg; break;
+		case OPT_SCALE_CUDA_PID: o.scale_cuda_pid = atoi(optarg); break;
 		case OPT_SERVER_CPU: server_cpu = atoi(optarg); break;
 		case OPT_SERVER_PIDS:
 			if (parse_pids(optarg) <= 0)
@@ -310,6 +320,8 @@ int main(int argc, char **argv)
 	}
 	if (!o.rt.bb_socket || !o.rt.echo_socket)
 		return bad("run needs --bb-socket and --echo-socket");
+	if (!o.scale_cuda_socket != !o.scale_cuda_pid)
+		return bad("--scale-cuda-socket and --scale-cuda-pid go together");
 
 	/* Many short interleaved repetitions: on a shared machine a burst of
 	 * someone else's load then spoils a few of them, not a whole figure. */

@@ -4,6 +4,7 @@
  * data files the plots are drawn from.
  */
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,14 +38,15 @@ static double rt_ratio(const char *system, int clients, int which)
 	return which == 0 ? r->r_p50_echo : which == 1 ? r->r_ops_echo : r->r_ops_redis;
 }
 
-/* The first and the last scale level that have numbers. */
-static const result *scale_end(int last)
+/* The first and the last level with numbers of a scale series: group
+ * "scale" (host buffers) or "scale_cuda". */
+static const result *scale_end(const char *group, int last)
 {
 	const result *found = NULL;
 
 	for (int i = 0; i < result_count(); i++) {
 		const result *r = result_at(i);
-		if (strcmp(r->group, "scale") || r->skipped)
+		if (strcmp(r->group, group) || r->skipped)
 			continue;
 		if (!last)
 			return r;
@@ -85,8 +87,8 @@ static double result_ratio(const result *r, const char **against)
 		*against = "vs_socket";
 		return r->r_base;
 	}
-	if (!strcmp(r->group, "scale")) {
-		const result *first = scale_end(0);
+	if (!strcmp(r->group, "scale") || !strcmp(r->group, "scale_cuda")) {
+		const result *first = scale_end(r->group, 0);
 		*against = "ops_vs_first_level";
 		return first ? div_or_nan(r->ops_per_s, first->ops_per_s) : NAN;
 	}
@@ -103,7 +105,7 @@ static double result_ratio(const result *r, const char **against)
 
 /* ---- targets ------------------------------------------------------------------- */
 
-static char scale_what[128], rss_what[128];
+static char scale_what[128], scale_cuda_what[160], rss_what[128];
 
 static double local_ratio(void)
 {
@@ -117,9 +119,10 @@ static double zc_ratio(const char *name)
 	return r && !r->skipped ? r->r_base : NAN;
 }
 
-static int targets_compute(target *t)
+static int targets_compute(const bench_opts *o, target *t)
 {
-	const result *s0 = scale_end(0), *s1 = scale_end(1);
+	const result *s0 = scale_end("scale", 0), *s1 = scale_end("scale", 1);
+	const result *c0 = scale_end("scale_cuda", 0), *c1 = scale_end("scale_cuda", 1);
 	const result *host_1mib = result_find("host.alloc_map_unref.1MiB");
 	int n = 0;
 
@@ -138,6 +141,19 @@ static int targets_compute(target *t)
 		 s1 ? s1->param : 0, s0 ? s0->param : 0, capped ? " (capped)" : "");
 	t[n++] = (target){scale_what, ">= 0.9x",
 			  s0 && s1 && s1 != s0 ? div_or_nan(s1->ops_per_s, s0->ops_per_s) : NAN,
+			  0.9, 0};
+	/* The same without an fd per buffer: no open-file limit in the way. */
+	uint64_t first = o->nscale ? o->scale[0] : 0;
+	uint64_t asked = o->nscale ? o->scale[o->nscale - 1] : 0;
+	char short_of[48] = "";
+	if (c1 && c1->param < asked)
+		snprintf(short_of, sizeof(short_of), "; %" PRIu64 " not reached", asked);
+	snprintf(scale_cuda_what, sizeof(scale_cuda_what),
+		 "throughput (16 clients) at %" PRIu64 " vs %" PRIu64
+		 " live buffers (CUDA buffers, no fd each%s)",
+		 c1 ? c1->param : asked, c0 ? c0->param : first, short_of);
+	t[n++] = (target){scale_cuda_what, ">= 0.9x",
+			  c0 && c1 && c1 != c0 ? div_or_nan(c1->ops_per_s, c0->ops_per_s) : NAN,
 			  0.9, 0};
 	snprintf(rss_what, sizeof(rss_what),
 		 "daemon RSS per live host buffer (bytes, at %" PRIu64 "%s)", s1 ? s1->param : 0,
@@ -184,6 +200,31 @@ static void notes_of(const char *group)
 		const result *r = result_at(i);
 		if (!strcmp(r->group, group) && r->note[0])
 			printf("    note (%s): %s\n", r->name, r->note);
+	}
+}
+
+/* The rows of a scale series, with the kernel Slab column when slab. */
+static void scale_rows(const char *group, bool slab)
+{
+	printf("  %12s %9s %9s %14s %10s %12s", "live buffers", "p50 us", "p99 us",
+	       "ops/s (16 cl)", "vs first", "RSS B/buf");
+	if (slab)
+		printf(" %12s", "slab B/buf");
+	printf("\n");
+	for (int i = 0; i < result_count(); i++) {
+		const result *r = result_at(i);
+		const char *against;
+		if (strcmp(r->group, group))
+			continue;
+		printf("  %12" PRIu64, r->param);
+		num(r->p50_us, 9, 1);
+		num(r->p99_us, 9, 1);
+		num(r->ops_per_s, 14, 0);
+		ratio(result_ratio(r, &against), 10);
+		num(r->rss_per_buf, 12, 0);
+		if (slab)
+			num(r->extra, 12, 0);
+		printf("\n");
 	}
 }
 
@@ -293,25 +334,16 @@ void report_print(const bench_opts *o)
 	}
 
 	printf("\nScale: bufbroker round trip with live buffers in the daemon\n");
-	printf("  %12s %9s %9s %14s %10s %12s %12s\n", "live buffers", "p50 us", "p99 us",
-	       "ops/s (16 cl)", "vs first", "RSS B/buf", "slab B/buf");
-	for (int i = 0; i < result_count(); i++) {
-		const result *r = result_at(i);
-		const char *against;
-		if (strcmp(r->group, "scale"))
-			continue;
-		printf("  %12" PRIu64, r->param);
-		num(r->p50_us, 9, 1);
-		num(r->p99_us, 9, 1);
-		num(r->ops_per_s, 14, 0);
-		ratio(result_ratio(r, &against), 10);
-		num(r->rss_per_buf, 12, 0);
-		num(r->extra, 12, 0);
-		printf("\n");
-	}
+	scale_rows("scale", true);
 	printf("  (p50/p99: 1 client; RSS: daemon VmRSS growth / live buffers; slab: the whole\n"
 	       "   machine's kernel Slab growth / live buffers, informational)\n");
 	notes_of("scale");
+
+	printf("\nScale, CUDA: the same with live 256 B CUDA buffers (slab pool, no fd each)\n");
+	scale_rows("scale_cuda", false);
+	printf("  (the round trip as above, on a host buffer; RSS: daemon VmRSS growth / live CUDA\n"
+	       "   buffers: its tables and the slab allocator's bookkeeping)\n");
+	notes_of("scale_cuda");
 
 	printf("\nCUDA (1 MiB buffers)\n");
 	printf("  %-40s %9s %9s %11s %9s\n", "", "p50 us", "p99 us", "ops/s", "ratio");
@@ -330,10 +362,14 @@ void report_print(const bench_opts *o)
 	printf("  (ratio: slab alloc vs cuMemAlloc; warm map vs cuIpcOpenMemHandle; p50s)\n");
 	notes_of("cuda");
 
-	nt = targets_compute(t);
+	nt = targets_compute(o, t);
+	int width = 64;
+	for (int i = 0; i < nt; i++)
+		if ((int)strlen(t[i].what) > width)
+			width = (int)strlen(t[i].what);
 	printf("\nTargets (issue 6, ratios from this run)\n");
 	for (int i = 0; i < nt; i++) {
-		printf("  %-13s %-64s %-9s", target_verdict(&t[i]), t[i].what, t[i].bound);
+		printf("  %-13s %-*s %-9s", target_verdict(&t[i]), width, t[i].what, t[i].bound);
 		if (isnan(t[i].measured))
 			printf(" %10s\n", "-");
 		else
@@ -368,10 +404,9 @@ static void json_num(FILE *f, const char *key, double v)
 int report_json(const bench_opts *o, const char *path, const char *meta_json)
 {
 	target t[16];
-	int nt = targets_compute(t);
+	int nt = targets_compute(o, t);
 	FILE *f = fopen(path, "w");
 
-	(void)o;
 	if (!f)
 		return -1;
 	fprintf(f, "{\n  \"meta\": {%s},\n  \"results\": [\n", meta_json);
