@@ -28,7 +28,7 @@ while [[ $# -gt 0 ]]; do
 	case $1 in
 	--build-dir) BUILD=$(cd "$2" && pwd); shift 2 ;;
 	--delta) DELTA=$2; shift 2 ;;
-	-h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	-h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 	*) echo "callgrind.sh: unknown argument $1" >&2; exit 2 ;;
 	esac
 done
@@ -89,7 +89,7 @@ rt_c=$((($(client_ir rt $N1) - $(client_ir rt $N0)) / (2 * DELTA)))
 al_c=$((($(client_ir alloc $N1) - $(client_ir alloc $N0)) / DELTA))
 stop_daemon
 
-syscalls() { # syscalls N: strace -c of the daemon serving cgloop mt N
+syscalls() { # syscalls N: strace -c of the daemon serving cgloop mt N, into $DIR/s.N
 	start_daemon
 	strace -f -c -o "$DIR/s.$1" -p "$DPID" 2>/dev/null &
 	local spid=$!
@@ -100,10 +100,10 @@ syscalls() { # syscalls N: strace -c of the daemon serving cgloop mt N
 	stop_daemon
 }
 count() { # count STRACE-C-OUTPUT SYSCALL: its calls, 0 if absent
-	awk -v s="$2" '$NF == s { print ($4 ~ /^[0-9]+$/ ? $4 : $3); found = 1 } END { if (!found) print 0 }' "$1"
+	awk -v s="$2" '$NF == s { print $4; found = 1 } END { if (!found) print 0 }' "$1"
 }
 MT_N=2000
-syscalls $MT_N >/dev/null
+syscalls $MT_N
 reqs=$((2 * 8 * MT_N))
 
 printf '%-44s %12s %12s\n' "instructions per operation" "daemon" "client"

@@ -146,8 +146,9 @@ static bool host_untrack(host_backend *hb, int fd)
 void backend_host_exposed(backend *be, int fd)
 {
 	host_backend *hb = be->ctx;
+	/* Within the bits, host_track cannot fail; beyond them fd is not ours. */
 	if (fd >= 0 && (size_t)fd / WORD_BITS < hb->exposed_words)
-		hb->exposed[(size_t)fd / WORD_BITS] |= UINT64_C(1) << ((unsigned)fd % WORD_BITS);
+		host_track(hb, fd, true);
 }
 
 /* ---- the pool: an array, oldest first ------------------------------------ */

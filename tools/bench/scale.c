@@ -287,41 +287,33 @@ static void fillers_stop(struct filler *f, int started)
 	}
 }
 
-/* Send fillers [from, to) their commands, then wait for their answers; 0
- * when all went well, else the first failure's code with its message in
- * err (which keeps an earlier failure's). */
-static int fillers_do(struct filler *f, int from, int to, const uint64_t cmd[FILLERS], char *err,
-		      size_t errlen)
+/* Bring the fillers' total from *have to want, all at once: each filler
+ * its share, then every answer. 0 when all went well, else the first
+ * failure's code with its message in err. */
+static int fill_to(struct filler *f, uint64_t *have, uint64_t want, char *err, size_t errlen)
 {
+	uint64_t more = want - *have;
 	int rc = 0;
 
-	for (int i = from; i < to; i++)
-		if (write(f[i].cmd, &cmd[i], sizeof(cmd[i])) != (ssize_t)sizeof(cmd[i]))
+	for (int i = 0; i < FILLERS; i++) {
+		uint64_t n = more / FILLERS + ((uint64_t)i < more % FILLERS ? 1 : 0);
+		if (write(f[i].cmd, &n, sizeof(n)) != (ssize_t)sizeof(n) && !rc) {
 			rc = BB_ERR_DISCONNECTED;
-	for (int i = from; i < to; i++) {
+			snprintf(err, errlen, "a filler process is gone: %s", strerror(errno));
+		}
+	}
+	for (int i = 0; i < FILLERS; i++) {
 		struct ack a;
 		if (read(f[i].ack, &a, sizeof(a)) != (ssize_t)sizeof(a)) {
+			if (!rc)
+				snprintf(err, errlen, "a filler process died");
 			rc = rc ? rc : BB_ERR_DISCONNECTED;
-			snprintf(err, errlen, "a filler process died");
 		} else if (a.code && !rc) {
 			rc = a.code;
 			a.msg[sizeof(a.msg) - 1] = 0;
 			snprintf(err, errlen, "%s", a.msg);
 		}
 	}
-	return rc;
-}
-
-/* Bring the fillers' total from *have to want, all at once; fillers_do's
- * result. */
-static int fill_to(struct filler *f, uint64_t *have, uint64_t want, char *err, size_t errlen)
-{
-	uint64_t more = want - *have, n[FILLERS];
-	int rc = 0;
-
-	for (int i = 0; i < FILLERS; i++)
-		n[i] = more / FILLERS + ((uint64_t)i < more % FILLERS ? 1 : 0);
-	rc = fillers_do(f, 0, FILLERS, n, err, errlen);
 	if (!rc)
 		*have = want;
 	return rc;
