@@ -21,6 +21,12 @@
 #   --out DIR        where bench.json, bench.txt, the plot data and PNGs go
 #                    (default: BUILD/bench-results).
 #   --no-pin         pin nothing, ever (to see what scheduler placement does).
+#   --shmem-thp MODE set the kernel's shmem transparent huge page mode
+#                    (/sys/kernel/mm/transparent_hugepage/shmem_enabled: never,
+#                    advise, within_size, always) for the run and put the old
+#                    one back at the end; root only. It changes what every
+#                    process on the machine gets meanwhile. By default the
+#                    machine's mode is left as it is and recorded.
 #   -- ARGS...       passed to bufbroker-bench run, e.g. --only roundtrip,local
 #                    or --reps 9 (see bufbroker-bench --help).
 #
@@ -48,6 +54,7 @@ source "$ROOT/scripts/lib.sh"
 QUICK=0
 PLOT=0
 NOPIN=0
+SHMEM_THP=
 BUILD=
 OUT=
 declare -a EXTRA=()
@@ -58,6 +65,12 @@ while [[ $# -gt 0 ]]; do
 	--quick) QUICK=1 ;;
 	--plot) PLOT=1 ;;
 	--no-pin) NOPIN=1 ;;
+	--shmem-thp)
+		[[ $# -ge 2 && $2 =~ ^(never|advise|within_size|always)$ ]] ||
+			{ echo "run.sh: --shmem-thp needs never, advise, within_size or always" >&2; exit 2; }
+		SHMEM_THP=$2
+		shift
+		;;
 	--build-dir)
 		[[ $# -ge 2 ]] || { echo "run.sh: --build-dir needs a directory" >&2; exit 2; }
 		BUILD=$(cd "$2" && pwd)
@@ -107,6 +120,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
 # ---- servers -------------------------------------------------------------------
+THP_FILE=/sys/kernel/mm/transparent_hugepage/shmem_enabled
+thp_mode() { sed -n 's/.*\[\(.*\)\].*/\1/p' "$THP_FILE" 2>/dev/null || true; }
+THP_OLD=
 DIR=$(mktemp -d /tmp/bbbench-XXXXXX)
 DPID=
 CPID=
@@ -137,9 +153,21 @@ cleanup() {
 		fi
 	done
 	rm -rf "$DIR"
+	if [[ -n $THP_OLD ]]; then
+		echo "$THP_OLD" >"$THP_FILE" || echo "run.sh: could not put $THP_FILE back to $THP_OLD" >&2
+	fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+if [[ -n $SHMEM_THP ]]; then
+	was=$(thp_mode)
+	[[ -n $was ]] || { echo "run.sh: $THP_FILE is not readable: no shmem THP here" >&2; exit 1; }
+	echo "$SHMEM_THP" 2>/dev/null >"$THP_FILE" ||
+		{ echo "run.sh: cannot write $THP_FILE (--shmem-thp needs root)" >&2; exit 1; }
+	THP_OLD=$was # cleanup puts it back
+	bb_log "shmem transparent huge pages: $SHMEM_THP for this run (was $THP_OLD)"
+fi
 
 # Servers on CPU 0, clients on the others, when there are others.
 declare -a PIN=()
@@ -241,6 +269,7 @@ if [[ -n $(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null) ]
 fi
 CONDITIONS="$(nproc) CPUs; load average at start $(cut -d' ' -f1-3 /proc/loadavg);"
 CONDITIONS+=" daemon open-file limit $(awk '/Max open files/ {print $4}' "/proc/$DPID/limits");"
+CONDITIONS+=" shmem THP: $(thp_mode)${SHMEM_THP:+ (set by --shmem-thp, was $THP_OLD)};"
 CONDITIONS+=" CUDA: $CUDA_DESC"
 
 SERVER_PIDS="$DPID,$EPID${RPID:+,$RPID}${CPID:+,$CPID}"

@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -252,6 +253,66 @@ Test(api, freed_host_memfd_is_reused_empty_for_the_same_uid)
 	cr_assert_eq(bbt_daemon_memfds(d), memfds0 + 2, "another size reused a memfd");
 	bb_unref(other);
 	bb_unref(b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+/* The VMA of this process that holds addr, from /proc/self/smaps: its end
+ * and whether its VmFlags carry "hg" (MADV_HUGEPAGE). */
+static void vma_of(const void *addr, uintptr_t *end, int *hugepage)
+{
+	FILE *f = fopen("/proc/self/smaps", "r");
+	char line[512];
+	int in = 0;
+
+	cr_assert_not_null(f, "/proc/self/smaps: %s", strerror(errno));
+	*end = 0;
+	*hugepage = -1;
+	while (fgets(line, sizeof(line), f)) {
+		uintptr_t lo, hi;
+		/* A VMA's first line is "LO-HI perms ..."; no field line parses so. */
+		if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {
+			in = (uintptr_t)addr >= lo && (uintptr_t)addr < hi;
+			if (in)
+				*end = hi;
+		} else if (in && strncmp(line, "VmFlags:", 8) == 0) {
+			*hugepage = strstr(line, " hg") != NULL;
+			break;
+		}
+	}
+	fclose(f);
+	cr_assert_neq(*hugepage, -1, "no VMA with VmFlags holds %p", addr);
+}
+
+Test(api, host_mappings_from_2mib_ask_for_huge_pages_over_whole_2mib_extents)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	const size_t mib2 = (size_t)2 << 20, tail = 3 * 4096;
+	uintptr_t end;
+	int hg;
+
+	/* 4 MiB and three pages: the first 4 MiB advised, the tail not. */
+	bb_buf *big = alloc_host(c, 2 * mib2 + tail, NULL, BB_SHARE_UID);
+	unsigned char *p = map_of(big);
+	vma_of(p, &end, &hg);
+	cr_assert_eq(hg, 1, "a %zu-byte mapping was not advised MADV_HUGEPAGE", bb_size(big));
+	cr_assert_eq(end, (uintptr_t)p + 2 * mib2, "the advice covers %#lx bytes, not 4 MiB",
+		     (unsigned long)(end - (uintptr_t)p));
+	vma_of(p + 2 * mib2, &end, &hg);
+	cr_assert_eq(hg, 0, "the partial 2 MiB extent at the end was advised");
+	cr_assert_eq(end, (uintptr_t)p + 2 * mib2 + tail);
+	/* The memory is the buffer's, whatever the advice. */
+	memset(p, 0x5a, bb_size(big));
+	cr_assert_eq(p[2 * mib2 + tail - 1], 0x5a);
+
+	/* Under 2 MiB: no advice at all. */
+	bb_buf *small = alloc_host(c, mib2 - 4096, NULL, BB_SHARE_UID);
+	vma_of(map_of(small), &end, &hg);
+	cr_assert_eq(hg, 0, "a mapping under 2 MiB was advised MADV_HUGEPAGE");
+
+	bb_unref(small);
+	bb_unref(big);
 	bb_disconnect(c);
 	bbt_stop_clean(d);
 }

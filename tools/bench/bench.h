@@ -170,6 +170,11 @@ void scenario_roundtrip(const bench_opts *o);
 void scenario_local(const bench_opts *o);
 void scenario_host(const bench_opts *o);
 void scenario_zerocopy(const bench_opts *o);
+/* The kernel's shmem transparent huge page mode, as
+ * /sys/kernel/mm/transparent_hugepage/shmem_enabled marks it ("never",
+ * "advise", ...; "unknown" where it cannot be read): whether bufbroker's
+ * MADV_HUGEPAGE on mappings from 2 MiB takes effect in the zero-copy rows. */
+const char *shmem_thp_mode(void);
 void scenario_scale(const bench_opts *o);
 void scenario_cuda(const bench_opts *o);
 

@@ -591,6 +591,24 @@ static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_ou
 	return fail ? -1 : 0;
 }
 
+const char *shmem_thp_mode(void)
+{
+	static char mode[32];
+	char line[256], *a, *b;
+	FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+
+	snprintf(mode, sizeof(mode), "unknown");
+	if (!f)
+		return mode;
+	/* "always within_size advise [never] deny force" */
+	if (fgets(line, sizeof(line), f) && (a = strchr(line, '[')) && (b = strchr(a, ']'))) {
+		*b = 0;
+		snprintf(mode, sizeof(mode), "%s", a + 1);
+	}
+	fclose(f);
+	return mode;
+}
+
 #define ZC_MAX_ROUNDS 5
 
 void scenario_zerocopy(const bench_opts *o)

@@ -332,6 +332,9 @@ void report_print(const bench_opts *o)
 			printf("  (%s)", r->note);
 		printf("\n");
 	}
+	printf("  (shmem transparent huge pages: %s. bufbroker asks for them on mappings from\n"
+	       "   2 MiB; with advise, within_size or always a first read faults once per 2 MiB)\n",
+	       shmem_thp_mode());
 
 	printf("\nScale: bufbroker round trip with live buffers in the daemon\n");
 	scale_rows("scale", true);
