@@ -64,7 +64,9 @@ static void take_fds(struct msghdr *msg, int *fd_out, int *truncated)
 		*truncated = 1;
 }
 
-ssize_t msgio_recv(int sock, void *buf, size_t cap, int *fd_out, int *truncated)
+/* One recvmsg into buf with flags (MSG_CMSG_CLOEXEC added), retried on
+ * EINTR: msgio_recv, and msgio_recv_batch for a single slot. */
+static ssize_t recv_one(int sock, void *buf, size_t cap, int flags, int *fd_out, int *truncated)
 {
 	struct iovec iov = {.iov_base = buf, .iov_len = cap};
 	/* Room for a few fds so that a peer sending several is detected and
@@ -84,12 +86,17 @@ ssize_t msgio_recv(int sock, void *buf, size_t cap, int *fd_out, int *truncated)
 	*fd_out = -1;
 	*truncated = 0;
 	do
-		n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+		n = recvmsg(sock, &msg, flags | MSG_CMSG_CLOEXEC);
 	while (n < 0 && errno == EINTR);
 	if (n < 0)
 		return -errno;
 	take_fds(&msg, fd_out, truncated);
 	return n;
+}
+
+ssize_t msgio_recv(int sock, void *buf, size_t cap, int *fd_out, int *truncated)
+{
+	return recv_one(sock, buf, cap, 0, fd_out, truncated);
 }
 
 int msgio_recv_batch(int sock, msgio_slot *slots, unsigned n)
@@ -106,6 +113,16 @@ int msgio_recv_batch(int sock, msgio_slot *slots, unsigned n)
 
 	if (n == 0 || n > MSGIO_BATCH_MAX)
 		return -EINVAL;
+	if (n == 1) {
+		/* recvmsg: the same datagram as a recvmmsg of one, for less work
+		 * in the kernel and none setting up the vector. */
+		ssize_t len = recv_one(sock, slots[0].buf, slots[0].cap, MSG_DONTWAIT,
+				       &slots[0].fd, &slots[0].truncated);
+		if (len < 0)
+			return (int)len;
+		slots[0].len = (size_t)len;
+		return 1;
+	}
 	memset(mm, 0, n * sizeof(mm[0]));
 	for (unsigned i = 0; i < n; i++) {
 		iov[i].iov_base = slots[i].buf;

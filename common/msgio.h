@@ -34,9 +34,9 @@ typedef struct msgio_slot {
 #define MSGIO_BATCH_MAX 16
 
 /* Receive the datagrams already queued on sock, up to n (at most
- * MSGIO_BATCH_MAX), with one recvmmsg: pipelined requests cost one system
- * call together, a lone one the same as msgio_recv. Never waits. Returns
- * how many slots were filled (>= 1), or -errno (-EAGAIN: none queued). */
+ * MSGIO_BATCH_MAX), with one recvmmsg (one slot: a recvmsg): pipelined
+ * requests cost one system call together. Never waits. Returns how many
+ * slots were filled (>= 1), or -errno (-EAGAIN: none queued). */
 int msgio_recv_batch(int sock, msgio_slot *slots, unsigned n);
 
 #endif /* BB_MSGIO_H */

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <fcntl.h>
 
@@ -251,14 +252,16 @@ static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n,
 
 /* Read what the peer has queued, up to CONN_READ_BATCH datagrams in one
  * system call (a client with several threads, or a burst of fire-and-forget
- * Releases, pipelines), and act on each in order. The batch never holds
- * more than the parked-request bound has room for, so conn_inflight stays
- * exact; once the connection is doomed the rest are dropped. */
+ * Releases, pipelines), and act on each in order. A batch that finds a
+ * single datagram (nothing pipelines) makes the next CONN_SINGLE_READS
+ * reads one recvmsg each, then batching is tried again. The batch never
+ * holds more than the parked-request bound has room for, so conn_inflight
+ * stays exact; once the connection is doomed the rest are dropped. */
 static void read_batch(conn *c, int events)
 {
 	server *s = c->srv;
 	msgio_slot slot[CONN_READ_BATCH];
-	unsigned want = CONN_READ_BATCH;
+	unsigned want = c->single_reads ? 1 : CONN_READ_BATCH;
 	uint32_t room = s->cfg.conn_inflight > c->inflight ? s->cfg.conn_inflight - c->inflight : 1;
 	size_t cap = (size_t)s->cfg.max_datagram + 1;
 
@@ -275,6 +278,10 @@ static void read_batch(conn *c, int events)
 		conn_doom(c, "receive failed");
 		return;
 	}
+	if (want > 1)
+		c->single_reads = got == 1 ? CONN_SINGLE_READS : 0;
+	else if (c->single_reads)
+		c->single_reads--;
 	for (int i = 0; i < got; i++) {
 		if (c->doomed || c->closed) {
 			if (slot[i].fd >= 0)
@@ -347,6 +354,30 @@ conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
 	return c;
 }
 
+/* Most queued datagrams a closing connection's drain reads. */
+#define CONN_DRAIN_MAX 4096
+
+/* Before the socket is closed: a Unix socket closed with datagrams still
+ * queued to it makes its peer's next read fail with ECONNRESET, ahead of
+ * the answers (and the error that ended the connection) already queued
+ * for the peer. Stop the peer sending, then read what it had sent and drop
+ * it, closing any fds it carried. */
+static void drain(int fd)
+{
+	unsigned char byte;
+	msgio_slot slot = {.buf = &byte, .cap = 1};
+
+	(void)shutdown(fd, SHUT_RD);
+	for (int i = 0; i < CONN_DRAIN_MAX; i++) {
+		if (msgio_recv_batch(fd, &slot, 1) != 1)
+			return;
+		if (slot.fd >= 0)
+			close(slot.fd);
+		if (slot.len == 0 && !slot.truncated)
+			return; /* the end of the stream (or an empty datagram: harmless) */
+	}
+}
+
 /* Release everything the connection held and close it. */
 void conn_close(conn *c);
 void conn_close(conn *c)
@@ -372,5 +403,6 @@ void conn_close(conn *c)
 	}
 	DL_DELETE(s->conns, c);
 	uv_poll_stop(&c->poll);
+	drain(c->fd);
 	uv_close((uv_handle_t *)&c->poll, on_closed);
 }

@@ -78,6 +78,7 @@ struct conn {
 	parked_wait *waits;     /* parked Wait requests */
 	uint32_t parked_allocs; /* its allocs waiting for device memory */
 	uint32_t inflight;      /* requests read, not yet answered: parked waits and allocs */
+	uint32_t single_reads;  /* reads left to make one datagram at a time (CONN_SINGLE_READS) */
 	conn *prev, *next;      /* server's list */
 	conn *doomed_next;      /* server's list of connections to close */
 };
@@ -113,6 +114,10 @@ struct parked_alloc {
 
 /* Most datagrams one connection's readiness reads at once. */
 #define CONN_READ_BATCH 8
+/* After a batched read that found one datagram, the reads of that
+ * connection before it batches again: one recvmsg each, cheaper than a
+ * recvmmsg that finds one (a lone client's every request). */
+#define CONN_SINGLE_READS 16
 
 struct server {
 	uv_loop_t *loop;          /* the loop everything runs on */

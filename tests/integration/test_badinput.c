@@ -591,7 +591,8 @@ Test(badinput, requests_queued_behind_a_fatal_datagram_are_dropped_with_their_fd
 
 	for (int i = 0; i < 2; i++) {
 		Bufbroker__Response *resp = NULL;
-		cr_assert_eq(bbt_raw_recv(r.raw, 3000, &resp, NULL), 1, "answer %d", i);
+		int got = bbt_raw_recv(r.raw, 3000, &resp, NULL);
+		cr_assert_eq(got, 1, "answer %d: bbt_raw_recv says %d", i, got);
 		bool ok = resp->id == (uint64_t)(300 + i) && resp->status->code == 0;
 		bufbroker__response__free_unpacked(resp, NULL);
 		cr_assert(ok, "request %d before the garbage was not answered", 300 + i);
