@@ -6,6 +6,7 @@
  * closed; nothing a client sends can stop the loop or reach another client.
  */
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -189,12 +190,23 @@ static void protocol_error(conn *c, uint64_t id, const char *msg, bool close_aft
 		conn_doom(c, msg);
 }
 
+/* Whether the peer has closed its end: told apart from an empty datagram
+ * (both read as 0 bytes) when the readiness did not say so, as when the
+ * peer closed between the wakeup and the read, or a batch read the end of
+ * the stream behind its last requests. */
+static bool peer_closed(int fd)
+{
+	struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+
+	return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP));
+}
+
 /* Act on one datagram of n bytes at data (fd attached, or -1). */
 static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n, int fd,
 			    int truncated)
 {
 	server *s = c->srv;
-	if (n == 0 && fd < 0 && (events & UV_DISCONNECT)) {
+	if (n == 0 && fd < 0 && ((events & UV_DISCONNECT) || peer_closed(c->fd))) {
 		conn_doom(c, "peer closed");
 		return;
 	}
