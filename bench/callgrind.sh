@@ -33,6 +33,12 @@ while [[ $# -gt 0 ]]; do
 	esac
 done
 command -v valgrind >/dev/null || { echo "callgrind.sh: valgrind is not installed" >&2; exit 1; }
+# bench/run.sh builds only bufbroker-bench and bufbrokerd (the bench links the
+# library statically); the shared library this counts comes from the same tree.
+if [[ -f $BUILD/CMakeCache.txt && ! -e $BUILD/libbufbroker.so ]]; then
+	bb_log "building libbufbroker.so and bufbrokerd in $BUILD"
+	cmake --build "$BUILD" -j "$(nproc)" --target bufbroker bufbrokerd >/dev/null
+fi
 [[ -x $BUILD/bufbrokerd && -e $BUILD/libbufbroker.so ]] ||
 	{ echo "callgrind.sh: no bufbrokerd/libbufbroker.so in $BUILD (build it first)" >&2; exit 1; }
 
