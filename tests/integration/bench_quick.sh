@@ -75,6 +75,17 @@ for how in ("first", "recycled"):
     for system in ("bufbroker", "socket"):
         need(f"zerocopy.{system}.{how}", "gbps", "ms")
     need(f"zerocopy.bufbroker.{how}", "vs_socket")
+    # The share of the buffer mapped with 2 MiB pages: a fraction, and none
+    # at all where the kernel gives shmem no huge pages.
+    r = res.get(f"zerocopy.bufbroker.{how}")
+    if r and not r["skipped"]:
+        v = r.get("huge_page_share")
+        if not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            problems.append(f"zerocopy.bufbroker.{how}: huge_page_share is {v!r}, want 0..1")
+        elif d["meta"].get("shmem_thp") in ("never", "deny") and v != 0:
+            problems.append(f"zerocopy.bufbroker.{how}: huge pages ({v!r}) with shmem THP never")
+if not d["meta"].get("shmem_thp"):
+    problems.append("meta: shmem_thp missing")
 scale = [r for r in d["results"] if r["group"] == "scale"]
 if len(scale) < 2:
     problems.append(f"scale: {len(scale)} levels, want at least 2")

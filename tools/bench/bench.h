@@ -89,6 +89,8 @@ typedef struct result {
 	double gbps;        /* 1e9 bytes per second */
 	double rss_per_buf; /* daemon bytes per live buffer (scale) */
 	double extra;       /* scenario-specific, described by extra_name */
+	double huge_share;  /* zero copy, bufbroker: share of the buffer the consumer
+			     * had mapped with 2 MiB pages after its read, median */
 	double r_p50_echo;  /* round trip: median over repetitions of p50 / echo's */
 	double r_ops_echo;  /* ... of ops/s / echo's */
 	double r_ops_redis; /* ... of ops/s / Redis's (bufbroker only) */

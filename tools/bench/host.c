@@ -416,11 +416,30 @@ static void zc_bb_producer(const bench_opts *o, int recycled, int rounds, int to
 	_exit(0);
 }
 
+/* Bytes of this process's shared memory mapped with 2 MiB pages
+ * (/proc/self/smaps_rollup ShmemPmdMapped), or -1 where it cannot be read. */
+static double shmem_pmd_bytes(void)
+{
+	char line[128];
+	double kb = -1;
+	FILE *f = fopen("/proc/self/smaps_rollup", "r");
+
+	if (!f)
+		return -1;
+	while (fgets(line, sizeof(line), f))
+		if (sscanf(line, "ShmemPmdMapped: %lf kB", &kb) == 1)
+			break;
+	fclose(f);
+	return kb < 0 ? -1 : kb * 1024;
+}
+
 /* Consumer through bufbroker: open + map + read, timed from the moment the
  * id arrives. Recycled: round 0 maps the buffer and keeps it (untimed, a
- * pool's first use); later rounds find it mapped. */
+ * pool's first use); later rounds find it mapped. After each read (untimed)
+ * huge[i] is the share of the buffer mapped with 2 MiB pages (NAN if
+ * unknown). */
 static void zc_bb_consumer(const bench_opts *o, int recycled, int rounds, int from_p, int to_p,
-			   double *secs)
+			   double *secs, double *huge)
 {
 	bb_client *c;
 	bb_buf *keep = NULL;
@@ -443,6 +462,9 @@ static void zc_bb_consumer(const bench_opts *o, int recycled, int rounds, int fr
 		t1 = bench_now_ns();
 		if (sum != expected_sum(o->zc_bytes, (unsigned char)(i + 1)))
 			child_die("consumer read wrong bytes in round %d", i);
+		/* The buffer is the only mapping here big enough for 2 MiB pages. */
+		double pmd = shmem_pmd_bytes();
+		huge[i] = pmd < 0 ? NAN : pmd / (double)o->zc_bytes;
 		if (recycled && i == 0)
 			keep = b;
 		else
@@ -534,10 +556,11 @@ static void zc_sock_consumer(const bench_opts *o, int recycled, int rounds, int 
 /* One timed round of a variant in two new processes (recycled: after an
  * untimed round that maps, or touches, the consumer's memory). 0 and the
  * consumer's seconds, or -1. */
-static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_out)
+static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_out, double *huge_out)
 {
 	int rounds = recycled ? 2 : 1;
-	double *secs = shared_alloc((size_t)rounds * sizeof(double));
+	/* secs[i], then (bufbroker) the huge-page share of round i */
+	double *secs = shared_alloc(2 * (size_t)rounds * sizeof(double));
 	pid_t prod, cons;
 	int fail = 0;
 
@@ -573,7 +596,7 @@ static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_ou
 		if (cons == 0) {
 			close(p2c[1]);
 			close(c2p[0]);
-			zc_bb_consumer(o, recycled, rounds, p2c[0], c2p[1], secs);
+			zc_bb_consumer(o, recycled, rounds, p2c[0], c2p[1], secs, secs + rounds);
 		}
 		close(p2c[0]);
 		close(p2c[1]);
@@ -587,7 +610,8 @@ static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_ou
 	if (wait_child(prod))
 		fail = 1;
 	*secs_out = fail ? NAN : secs[rounds - 1];
-	munmap(secs, (size_t)rounds * sizeof(double));
+	*huge_out = fail || sock ? NAN : secs[2 * rounds - 1];
+	munmap(secs, 2 * (size_t)rounds * sizeof(double));
 	return fail ? -1 : 0;
 }
 
@@ -625,7 +649,7 @@ void scenario_zerocopy(const bench_opts *o)
 	/* At most 5 rounds: a first read of 256 MiB takes a second on a busy
 	 * small machine, and the run has to stay within five minutes. */
 	int rounds = o->reps < ZC_MAX_ROUNDS ? o->reps : ZC_MAX_ROUNDS;
-	double gb[4][ZC_MAX_ROUNDS], ms[4][ZC_MAX_ROUNDS], q[ZC_MAX_ROUNDS];
+	double gb[4][ZC_MAX_ROUNDS], ms[4][ZC_MAX_ROUNDS], huge[4][ZC_MAX_ROUNDS], q[ZC_MAX_ROUNDS];
 
 	bench_set_pinned(1);
 	/* Round by round, each variant in turn, so a bufbroker figure and its
@@ -637,7 +661,7 @@ void scenario_zerocopy(const bench_opts *o)
 			fprintf(stderr, "  zero copy: round %d/%d, %s\n", r + 1, rounds,
 				v[i].label);
 			gb[i][r] = ms[i][r] = NAN;
-			if (zc_round(o, v[i].sock, v[i].recycled, &secs) == 0) {
+			if (zc_round(o, v[i].sock, v[i].recycled, &secs, &huge[i][r]) == 0) {
 				gb[i][r] = (double)o->zc_bytes / secs / 1e9;
 				ms[i][r] = secs * 1e3;
 			}
@@ -655,6 +679,7 @@ void scenario_zerocopy(const bench_opts *o)
 		}
 		res->gbps = median(gb[i], rounds);
 		res->extra = median(ms[i], rounds);
+		res->huge_share = median(huge[i], rounds);
 		snprintf(res->extra_name, sizeof(res->extra_name), "ms");
 		if (isnan(res->gbps)) {
 			res->skipped = 1;

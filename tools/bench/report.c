@@ -318,7 +318,7 @@ void report_print(const bench_opts *o)
 
 	printf("\nZero copy: a consumer process reads %zu MiB another process produced\n",
 	       o->zc_bytes >> 20);
-	printf("  %-34s %9s %9s %10s\n", "", "GB/s", "ms", "vs socket");
+	printf("  %-34s %9s %9s %10s %9s\n", "", "GB/s", "ms", "vs socket", "2M pages");
 	for (int i = 0; i < result_count(); i++) {
 		const result *r = result_at(i);
 		const char *against;
@@ -328,12 +328,17 @@ void report_print(const bench_opts *o)
 		num(r->gbps, 9, 2);
 		num(r->extra, 9, 1);
 		ratio(result_ratio(r, &against), 10);
+		if (isnan(r->huge_share))
+			printf(" %9s", "-");
+		else
+			printf(" %8.0f%%", 100 * r->huge_share);
 		if (r->skipped)
 			printf("  (%s)", r->note);
 		printf("\n");
 	}
 	printf("  (shmem transparent huge pages: %s. bufbroker asks for them on mappings from\n"
-	       "   2 MiB; with advise, within_size or always a first read faults once per 2 MiB)\n",
+	       "   2 MiB; with advise, within_size or always a first read faults once per 2 MiB.\n"
+	       "   2M pages: how much of the buffer the consumer had mapped with them)\n",
 	       shmem_thp_mode());
 
 	printf("\nScale: bufbroker round trip with live buffers in the daemon\n");
@@ -436,6 +441,7 @@ int report_json(const bench_opts *o, const char *path, const char *meta_json)
 		json_num(f, "ns_per_op", r->ns_per_op);
 		json_num(f, "gbps", r->gbps);
 		json_num(f, "rss_bytes_per_buffer", r->rss_per_buf);
+		json_num(f, "huge_page_share", r->huge_share);
 		if (r->extra_name[0])
 			json_num(f, r->extra_name, r->extra);
 		json_num(f, "p50_vs_echo", r->r_p50_echo);
