@@ -130,8 +130,10 @@ int bb_set_ready(bb_buf *b);
 int bb_set_error(bb_buf *b, const char *message);
 int bb_wait(bb_buf *b, int timeout_ms, bb_state *state_out);
 
-/* Host: a pointer into the shared mapping. CUDA: a device pointer valid in
- * this process's primary context of the matching device. Valid until the
+/* Host: a pointer into the shared mapping (from 2 MiB, advised
+ * MADV_HUGEPAGE over its whole 2 MiB extents: huge pages where the kernel's
+ * shmem THP mode allows them). CUDA: a device pointer valid in this
+ * process's primary context of the matching device. Valid until the
  * handle's last local count goes. */
 int bb_map(bb_buf *b, void **ptr_out);
 int bb_cuda_ipc_of(bb_buf *b, bb_cuda_ipc *out); /* BB_CUDA only */
