@@ -9,38 +9,17 @@
 # BB_FAKECUDA (libfakecuda.so stands in for the CUDA driver).
 set -euo pipefail
 
-DIR=$(mktemp -d /tmp/bbt-config-XXXXXX)
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+init_test config
+# No daemon log and no socket yet: each part of the test names its SOCK, and
+# start NAME the log.
 LOG=
-DPID=
-STEP="setup"
-
-cleanup() {
-	if [[ -n $DPID ]] && kill -0 "$DPID" 2>/dev/null; then
-		kill -KILL "$DPID" 2>/dev/null || true
-		wait "$DPID" 2>/dev/null || true
-	fi
-	rm -rf "$DIR"
-}
-trap cleanup EXIT
-
-fail() {
-	echo "FAIL ($STEP): $*" >&2
-	if [[ -n $LOG && -f $LOG ]]; then
-		echo "---- daemon log (tail) ----" >&2
-		tail -n 40 "$LOG" >&2
-		echo "---- end of daemon log ----" >&2
-	fi
-	exit 1
-}
-trap 'fail "command failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
-
-for v in BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_FAKECUDA; do
-	[[ -n ${!v:-} && -e ${!v} ]] || fail "\$$v must name a file (ctest sets it)"
-done
+unset SOCK
+need_vars -e "a file" BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_FAKECUDA
 [[ -n ${BB_SOURCE_DIR:-} && -f $BB_SOURCE_DIR/systemd/bufbrokerd.conf ]] ||
 	fail "\$BB_SOURCE_DIR/systemd/bufbrokerd.conf is missing (ctest sets BB_SOURCE_DIR)"
-PY=/usr/bin/python3
-[[ -x $PY ]] || PY=$(command -v python3) || fail "python3 is needed to read JSON"
+find_python "read JSON"
 
 # The fake driver: one device of 1 GiB, accounting private to this test.
 export BUFBROKER_CUDA_LIBRARY=$BB_FAKECUDA FAKECUDA_DEVICES=1 FAKECUDA_MEMORY=1G
@@ -53,14 +32,7 @@ start() {
 	local name=$1
 	shift
 	LOG=$DIR/$name.log
-	"$BUFBROKERD" "$@" >"$LOG" 2>&1 &
-	DPID=$!
-	for _ in $(seq 500); do
-		[[ -S $SOCK ]] && return 0
-		kill -0 "$DPID" 2>/dev/null || fail "bufbrokerd exited during start-up"
-		sleep 0.01
-	done
-	fail "no socket at $SOCK after 5 s"
+	start_bufbrokerd "$@"
 }
 
 stop() {
@@ -71,7 +43,6 @@ stop() {
 	[[ $rc -eq 0 ]] || fail "bufbrokerd exited $rc after SIGTERM, want 0"
 }
 
-cli() { timeout 10 "$BUFBROKER_CLI" --socket "$SOCK" "$@"; }
 json() { "$PY" -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 # produce NAME SIZE: one host buffer held by a token; the output in $DIR/out.
 produce() {

@@ -5,39 +5,11 @@
 # ctest sets BUFBROKERD, BUFBROKER_CLI, BB_PRODUCER and BB_CONSUMER.
 set -euo pipefail
 
-DIR=$(mktemp -d /tmp/bbt-examples-XXXXXX)
-SOCK=$DIR/bb.sock
-LOG=$DIR/daemon.log
-DPID=
-STEP="setup"
-
-cleanup() {
-	if [[ -n $DPID ]] && kill -0 "$DPID" 2>/dev/null; then
-		kill -KILL "$DPID" 2>/dev/null || true
-		wait "$DPID" 2>/dev/null || true
-	fi
-	rm -rf "$DIR"
-}
-trap cleanup EXIT
-
-fail() {
-	echo "FAIL ($STEP): $*" >&2
-	if [[ -f $LOG ]]; then
-		echo "---- daemon log (tail) ----" >&2
-		tail -n 40 "$LOG" >&2
-		echo "---- end of daemon log ----" >&2
-	fi
-	exit 1
-}
-trap 'fail "command failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
-
-for v in BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_CONSUMER; do
-	[[ -n ${!v:-} && -x ${!v} ]] || fail "\$$v must name an executable (ctest sets it)"
-done
-PY=/usr/bin/python3
-[[ -x $PY ]] || PY=$(command -v python3) || fail "python3 is needed to check the JSON output"
-
-cli() { timeout 10 "$BUFBROKER_CLI" --socket "$SOCK" "$@"; }
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+init_test examples
+need_vars -x "an executable" BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_CONSUMER
+find_python "check the JSON output"
 
 # Check a JSON document on stdin with a Python expression over `d`.
 json_check() {
@@ -49,14 +21,7 @@ json_check() {
 }
 
 STEP="start the daemon"
-"$BUFBROKERD" --socket "$SOCK" --token-ttl 120000 >"$LOG" 2>&1 &
-DPID=$!
-for _ in $(seq 500); do
-	[[ -S $SOCK ]] && break
-	kill -0 "$DPID" 2>/dev/null || fail "bufbrokerd exited during start-up"
-	sleep 0.01
-done
-[[ -S $SOCK ]] || fail "no socket at $SOCK after 5 s"
+start_bufbrokerd --socket "$SOCK" --token-ttl 120000
 
 STEP="status"
 out=$(cli status) || fail "bufbroker status exited $?"
@@ -127,14 +92,6 @@ timeout 10 "$BUFBROKER_CLI" --socket "$DIR/missing.sock" status >/dev/null 2>&1 
 [[ $rc2 -eq 1 ]] || fail "status on a missing socket exited $rc2, want 1"
 
 STEP="SIGTERM"
-kill -TERM "$DPID"
-for _ in $(seq 1000); do
-	kill -0 "$DPID" 2>/dev/null || break
-	sleep 0.01
-done
-kill -0 "$DPID" 2>/dev/null && fail "bufbrokerd still runs 10 s after SIGTERM"
-rc=0
-wait "$DPID" || rc=$?
-DPID=
-[[ $rc -eq 0 ]] || fail "bufbrokerd exited $rc after SIGTERM with a live token, want 0"
+sigterm_daemon
+[[ $DAEMON_RC -eq 0 ]] || fail "bufbrokerd exited $DAEMON_RC after SIGTERM with a live token, want 0"
 echo "examples.sh: all checks passed"

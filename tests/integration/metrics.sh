@@ -9,35 +9,10 @@
 # BB_SOURCE_DIR and BB_BUILD_DIR for the CUDA device check (fake driver, Python client).
 set -euo pipefail
 
-DIR=$(mktemp -d /tmp/bbt-metrics-XXXXXX)
-SOCK=$DIR/bb.sock
-LOG=$DIR/daemon.log
-DPID=
-STEP="setup"
-
-cleanup() {
-	if [[ -n $DPID ]] && kill -0 "$DPID" 2>/dev/null; then
-		kill -KILL "$DPID" 2>/dev/null || true
-		wait "$DPID" 2>/dev/null || true
-	fi
-	rm -rf "$DIR"
-}
-trap cleanup EXIT
-
-fail() {
-	echo "FAIL ($STEP): $*" >&2
-	if [[ -f $LOG ]]; then
-		echo "---- daemon log (tail) ----" >&2
-		tail -n 40 "$LOG" >&2
-		echo "---- end of daemon log ----" >&2
-	fi
-	exit 1
-}
-trap 'fail "command failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
-
-for v in BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_CONSUMER; do
-	[[ -n ${!v:-} && -x ${!v} ]] || fail "\$$v must name an executable (ctest sets it)"
-done
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+init_test metrics
+need_vars -x "an executable" BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_CONSUMER
 command -v curl >/dev/null || fail "curl is needed (apt-get install curl)"
 
 UID_NOW=$(id -u)
@@ -52,30 +27,17 @@ start_daemon() {
 	shift
 	"$BUFBROKERD" --config "$NOCONF" --socket "$SOCK" --no-cuda "$@" >"$log" 2>&1 &
 	DPID=$!
-	for _ in $(seq 500); do
-		[[ -S $SOCK ]] && grep -q "event=metrics_listening" "$log" && break
-		kill -0 "$DPID" 2>/dev/null || fail "bufbrokerd exited during start-up"
-		sleep 0.01
-	done
-	[[ -S $SOCK ]] || fail "no socket at $SOCK after 5 s"
+	LOG=$log wait_socket bufbrokerd "event=metrics_listening"
 	PORT=$(sed -n 's/.*event=metrics_listening address=127\.0\.0\.1:\([0-9]*\).*/\1/p' "$log")
 	[[ $PORT =~ ^[0-9]+$ && $PORT -gt 0 ]] || fail "no metrics_listening line with a port in the log"
 }
 
+# stop_daemon: SIGTERM must end the daemon with 0 (fail shows $LOG).
 stop_daemon() {
-	kill -TERM "$DPID"
-	for _ in $(seq 1000); do
-		kill -0 "$DPID" 2>/dev/null || break
-		sleep 0.01
-	done
-	kill -0 "$DPID" 2>/dev/null && fail "bufbrokerd still runs 10 s after SIGTERM"
-	local rc=0
-	wait "$DPID" || rc=$?
-	DPID=
-	[[ $rc -eq 0 ]] || fail "bufbrokerd exited $rc after SIGTERM with the metrics endpoint running, want 0"
+	sigterm_daemon
+	[[ $DAEMON_RC -eq 0 ]] ||
+		fail "bufbrokerd exited $DAEMON_RC after SIGTERM with the metrics endpoint running, want 0"
 }
-
-cli() { timeout 10 "$BUFBROKER_CLI" --socket "$SOCK" "$@"; }
 
 SCRAPE=
 scrape() {

@@ -8,38 +8,11 @@
 # and BB_FAKECUDA (libfakecuda.so: the CUDA tests use it when set).
 set -euo pipefail
 
-DIR=$(mktemp -d /tmp/bbt-python-XXXXXX)
-SOCK=$DIR/bb.sock
-LOG=$DIR/daemon.log
-DPID=
-STEP="setup"
-
-cleanup() {
-	if [[ -n $DPID ]] && kill -0 "$DPID" 2>/dev/null; then
-		kill -KILL "$DPID" 2>/dev/null || true
-		wait "$DPID" 2>/dev/null || true
-	fi
-	rm -rf "$DIR"
-}
-trap cleanup EXIT
-
-fail() {
-	echo "FAIL ($STEP): $*" >&2
-	if [[ -f $LOG ]]; then
-		echo "---- daemon log (tail) ----" >&2
-		tail -n 40 "$LOG" >&2
-		echo "---- end of daemon log ----" >&2
-	fi
-	exit 1
-}
-trap 'fail "command failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
-
-for v in BUFBROKERD BB_PRODUCER BB_CONSUMER; do
-	[[ -n ${!v:-} && -x ${!v} ]] || fail "\$$v must name an executable (ctest sets it)"
-done
-for v in BB_SOURCE_DIR BB_BUILD_DIR; do
-	[[ -n ${!v:-} && -d ${!v} ]] || fail "\$$v must name a directory (ctest sets it)"
-done
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+init_test python
+need_vars -x "an executable" BUFBROKERD BB_PRODUCER BB_CONSUMER
+need_vars -d "a directory" BB_SOURCE_DIR BB_BUILD_DIR
 PY=/usr/bin/python3
 [[ -x $PY ]] || fail "$PY is missing: apt-get install python3 python3-pytest python3-numpy"
 "$PY" -c 'import pytest, numpy' 2>/dev/null ||
@@ -68,14 +41,7 @@ cd "$BB_SOURCE_DIR"
 # when it is a sanitizer build, so it must not inherit the preload.
 unset LD_PRELOAD ASAN_OPTIONS
 STEP="start the daemon"
-"$BUFBROKERD" --socket "$SOCK" --token-ttl 120000 >"$LOG" 2>&1 &
-DPID=$!
-for _ in $(seq 500); do
-	[[ -S $SOCK ]] && break
-	kill -0 "$DPID" 2>/dev/null || fail "bufbrokerd exited during start-up"
-	sleep 0.01
-done
-[[ -S $SOCK ]] || fail "no socket at $SOCK after 5 s"
+start_bufbrokerd --socket "$SOCK" --token-ttl 120000
 if [[ -n $asan ]]; then
 	export LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0
 fi
@@ -132,15 +98,7 @@ PYEOF
 
 STEP="SIGTERM"
 unset LD_PRELOAD ASAN_OPTIONS
-kill -TERM "$DPID"
-for _ in $(seq 1000); do
-	kill -0 "$DPID" 2>/dev/null || break
-	sleep 0.01
-done
-kill -0 "$DPID" 2>/dev/null && fail "bufbrokerd still runs 10 s after SIGTERM"
-rc=0
-wait "$DPID" || rc=$?
-DPID=
-[[ $rc -eq 0 ]] || fail "bufbrokerd exited $rc after SIGTERM, want 0"
+sigterm_daemon
+[[ $DAEMON_RC -eq 0 ]] || fail "bufbrokerd exited $DAEMON_RC after SIGTERM, want 0"
 grep -Eq "Sanitizer|runtime error:" "$LOG" && fail "the daemon's log has a sanitizer report"
 echo "python.sh: all checks passed"

@@ -8,21 +8,15 @@
 # systemd-socket-activate is not installed.
 set -euo pipefail
 
-DIR=$(mktemp -d /tmp/bbt-systemd-XXXXXX)
-SOCK=$DIR/bb.sock
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+init_test systemd
+# DPID is systemd-socket-activate's pid, which becomes bufbrokerd's when it
+# execs the daemon; its log holds what both print.
 LOG=$DIR/activate.log
-APID=
-STEP="setup"
 
-cleanup() {
-	if [[ -n $APID ]] && kill -0 "$APID" 2>/dev/null; then
-		kill -KILL "$APID" 2>/dev/null || true
-		wait "$APID" 2>/dev/null || true
-	fi
-	rm -rf "$DIR"
-}
-trap cleanup EXIT
-
+# fail MESSAGE...: lib.sh's, but the log it shows is named for both programs,
+# and only when something was written to it.
 fail() {
 	echo "FAIL ($STEP): $*" >&2
 	if [[ -s $LOG ]]; then
@@ -32,7 +26,6 @@ fail() {
 	fi
 	exit 1
 }
-trap 'fail "command failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
 
 for tool in systemd-analyze systemd-socket-activate; do
 	if ! command -v "$tool" >/dev/null 2>&1; then
@@ -40,9 +33,7 @@ for tool in systemd-analyze systemd-socket-activate; do
 		exit 0
 	fi
 done
-for v in BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_CONSUMER; do
-	[[ -n ${!v:-} && -x ${!v} ]] || fail "\$$v must name an executable (ctest sets it)"
-done
+need_vars -x "an executable" BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_CONSUMER
 [[ -n ${BB_SOURCE_DIR:-} && -d $BB_SOURCE_DIR/systemd ]] ||
 	fail "\$BB_SOURCE_DIR/systemd is not a directory (ctest sets BB_SOURCE_DIR)"
 
@@ -72,13 +63,8 @@ fi
 # ---- (b) socket activation ----------------------------------------------------
 STEP="systemd-socket-activate"
 systemd-socket-activate --seqpacket -l "$SOCK" "$BUFBROKERD" >"$LOG" 2>&1 &
-APID=$!
-for _ in $(seq 500); do
-	[[ -S $SOCK ]] && break
-	kill -0 "$APID" 2>/dev/null || fail "systemd-socket-activate exited during start-up"
-	sleep 0.01
-done
-[[ -S $SOCK ]] || fail "no socket at $SOCK after 5 s"
+DPID=$!
+wait_socket systemd-socket-activate
 
 STEP="producer through the activated socket"
 # The first connection makes systemd-socket-activate exec bufbrokerd with
@@ -86,9 +72,9 @@ STEP="producer through the activated socket"
 tok=$(timeout 10 "$BB_PRODUCER" --socket "$SOCK" --name bbt-activated --size 65536 --pattern 5) ||
 	fail "bb-producer exited $?"
 [[ $tok =~ ^[0-9a-f]{32}$ ]] || fail "bb-producer printed '$tok', not a token"
-exe=$(readlink "/proc/$APID/exe" || true)
+exe=$(readlink "/proc/$DPID/exe" || true)
 [[ $exe == "$(readlink -f "$BUFBROKERD")" ]] ||
-	fail "pid $APID runs '$exe', not bufbrokerd, after the first connection"
+	fail "pid $DPID runs '$exe', not bufbrokerd, after the first connection"
 
 STEP="consumer through the activated socket"
 out=$(timeout 10 "$BB_CONSUMER" --socket "$SOCK" --size 65536 --pattern 5 "$tok") ||
@@ -97,20 +83,12 @@ grep -q "verified 65536 bytes" <<<"$out" || fail "bb-consumer: $out"
 
 STEP="CLI status through the activated socket"
 out=$(timeout 10 "$BUFBROKER_CLI" --socket "$SOCK" status) || fail "bufbroker status exited $?"
-grep -Eq "^pid +$APID\$" <<<"$out" || fail "status does not show the daemon's pid $APID: $out"
+grep -Eq "^pid +$DPID\$" <<<"$out" || fail "status does not show the daemon's pid $DPID: $out"
 json=$(timeout 10 "$BUFBROKER_CLI" --socket "$SOCK" --json status) || fail "bufbroker --json status exited $?"
-grep -q "\"pid\":${APID}[,}]" <<<"$json" || fail "status --json does not show pid $APID: $json"
+grep -q "\"pid\":${DPID}[,}]" <<<"$json" || fail "status --json does not show pid $DPID: $json"
 grep -q '"host":{"buffers":0,' <<<"$json" || fail "the consumed buffer was not freed: $json"
 
 STEP="SIGTERM"
-kill -TERM "$APID"
-for _ in $(seq 1000); do
-	kill -0 "$APID" 2>/dev/null || break
-	sleep 0.01
-done
-kill -0 "$APID" 2>/dev/null && fail "bufbrokerd still runs 10 s after SIGTERM"
-rc=0
-wait "$APID" || rc=$?
-APID=
-[[ $rc -eq 0 ]] || fail "socket-activated bufbrokerd exited $rc after SIGTERM, want 0"
+sigterm_daemon
+[[ $DAEMON_RC -eq 0 ]] || fail "socket-activated bufbrokerd exited $DAEMON_RC after SIGTERM, want 0"
 echo "systemd.sh: all checks passed"
