@@ -26,11 +26,19 @@
 #define F2_LEN TAG(2, WT_LEN)
 
 /* One varint at *p (before end); advances *p. false when it runs past end
- * or past ten bytes (more than 64 bits). */
-static bool get_varint(const uint8_t **p, const uint8_t *end, uint64_t *v)
+ * or past ten bytes (more than 64 bits). Inlined: a request is four of
+ * them, and the call cost more than the decoding. */
+static inline __attribute__((always_inline)) bool get_varint(const uint8_t **p, const uint8_t *end,
+							     uint64_t *v)
 {
 	uint64_t x = 0;
 	const uint8_t *q = *p;
+	/* Tags' lengths, counts, small ids: one byte. */
+	if (q < end && !(*q & 0x80)) {
+		*v = *q;
+		*p = q + 1;
+		return true;
+	}
 	for (unsigned shift = 0; shift < 70 && q < end; shift += 7) {
 		uint8_t b = *q++;
 		if (shift == 63 && b > 1)
