@@ -77,6 +77,10 @@ struct backend {
 	/* Describe mem for a client. 0 or BB_ERR_*. */
 	int (*export_mem)(backend *be, const backend_mem *mem, backend_export *out,
 			  char *err, size_t errlen);
+	/* mem's export is going to a process whose uid is not the owner's,
+	 * which may keep it forever: never reuse mem's memory for another
+	 * buffer. May be NULL (the backend reuses nothing it exported). */
+	void (*expose)(backend *be, const backend_mem *mem);
 	/* Free the backend itself (after every mem was freed and every job
 	 * is done). May be NULL. */
 	void (*destroy)(backend *be);
@@ -128,13 +132,14 @@ backend *backend_host_new(void);
  * import_fd. Beyond a bound the oldest pooled memfd is closed; an alloc
  * that finds the process out of fds closes the pool and tries again.
  *
- * Only turn it on where the request layer calls backend_host_exposed for
- * every host fd it sends to a process whose uid is not the buffer's
- * owner's: the backend cannot see sends, and without that call a client
- * of another uid could keep an fd and read a later buffer made from it. */
+ * Only turn it on where every host fd sent to a process whose uid is not
+ * the buffer's owner's is reported first (the backend's expose, which the
+ * broker's grant calls; or backend_host_exposed): the backend cannot see
+ * sends, and without that a client of another uid could keep an fd and
+ * read a later buffer made from it. */
 int backend_host_pool(backend *be, unsigned max, unsigned per_class);
 
-/* The request layer is sending fd, the memfd of a live host buffer, to a
+/* fd, the memfd of a live host buffer, is being sent to a
  * process whose uid differs from the buffer's owner's (that process may
  * keep it forever): its memfd is closed when the buffer is freed, never
  * pooled. An fd the backend does not know is ignored. */

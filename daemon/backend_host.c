@@ -382,6 +382,11 @@ static void host_free(backend *be, backend_mem *mem)
 	}
 }
 
+static void host_expose(backend *be, const backend_mem *mem)
+{
+	backend_host_exposed(be, mem->fd);
+}
+
 static int host_export(backend *be, const backend_mem *mem, backend_export *out, char *err,
 		       size_t errlen)
 {
@@ -422,6 +427,7 @@ backend *backend_host_new(void)
 	be->import_fd = host_import;
 	be->free = host_free;
 	be->export_mem = host_export;
+	be->expose = host_expose;
 	be->destroy = host_destroy;
 	be->usage = host_usage;
 	return be;

@@ -960,6 +960,24 @@ int broker_buf_export(broker *b, const broker_buf *buf, backend_export *out, bro
 	return 0;
 }
 
+int broker_grant(broker *b, broker_conn *conn, broker_buf *buf, broker_granted *out,
+		 broker_error *err)
+{
+	broker_buf_info(b, buf, conn, &out->info);
+	out->exposed = false;
+	int rc = broker_buf_export(b, buf, &out->ex, err);
+	if (rc) {
+		/* The caller got a count it will never learn of: give it back. */
+		broker_release(b, conn, out->info.id, 1, NULL, NULL, NULL);
+		return rc;
+	}
+	if (buf->owner_uid != conn->uid && buf->be->expose) {
+		buf->be->expose(buf->be, &buf->mem);
+		out->exposed = true;
+	}
+	return 0;
+}
+
 int broker_stat_id(broker *b, broker_conn *conn, uint64_t id, broker_info *out, broker_error *err)
 {
 	broker_buf *buf = NULL;

@@ -232,6 +232,25 @@ int broker_check(broker *b, char *report, size_t len);
  * or UINT64_MAX when no token is live. */
 uint64_t broker_expire_tokens(broker *b);
 
+/* What a client is granted with a buffer: the buffer as it sees it and
+ * what maps the memory. */
+typedef struct broker_granted {
+	broker_info info;  /* the buffer, held as the grantee's connection holds it */
+	backend_export ex; /* what maps it (ex.fd borrowed: attach, don't close) */
+	bool exposed;      /* it goes to another uid than the owner's and the
+			    * backend was told: a host memfd is never reused for
+			    * a later buffer */
+} broker_granted;
+
+/* The grant of buf, which alloc, open or adopt just gave conn a count on.
+ * A grant to a connection whose uid is not the owner's exposes the memory
+ * (backend expose: a host memfd is then never pooled for reuse, since the
+ * grantee may keep its fd). When the backend cannot export it, conn's new
+ * count is released again (the caller never learns of it) and the error
+ * returned. */
+int broker_grant(broker *b, broker_conn *conn, broker_buf *buf, broker_granted *out,
+		 broker_error *err);
+
 /* Accessors for a buffer returned by alloc/open/adopt. */
 void broker_buf_info(broker *b, const broker_buf *buf, const broker_conn *conn, broker_info *out);
 /* The export of buf's memory from its backend. */

@@ -1,10 +1,12 @@
 /*
- * Handle a single client connection: read one datagram per readiness
- * event, decode it, hand it to the request layer, and send responses,
+ * Handle client connections: read datagrams per readiness event, have the
+ * codec decode each and the request layer act on it, and send responses,
  * queueing them when the socket is full. Bad input is answered with a
  * Status and, where the stream can no longer be trusted, the connection is
  * closed; nothing a client sends can stop the loop or reach another client.
  */
+#include "conn.h"
+
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -18,8 +20,50 @@
 
 #include "log.h"
 #include "msgio.h"
-#include "server.h"
 #include "wire.h"
+
+/* One queued response that did not fit in the socket buffer. */
+typedef struct outmsg {
+	struct outmsg *next;  /* FIFO */
+	int fd;               /* our duplicate of the fd to attach, or -1 */
+	size_t len;           /* bytes in data */
+	unsigned char data[]; /* the packed Response */
+} outmsg;
+
+/* One client connection. */
+struct conn {
+	uv_poll_t poll;              /* readable (and writable while output is queued) */
+	int fd;                      /* the accepted socket */
+	uint64_t serial;             /* connection number, for logs */
+	conn_env *env;               /* what it shares */
+	session *session;            /* the request layer's side; NULL once closed */
+	uint32_t uid, pid;           /* SO_PEERCRED, for logs */
+	bool doomed;                 /* will be closed at the end of this loop turn */
+	bool closed;                 /* uv_close called */
+	char why[192];               /* why it is being closed, for the log */
+	outmsg *out_head, *out_tail; /* queued responses */
+	uint64_t out_bytes;          /* bytes in the queue */
+	uint64_t out_moved_ms;       /* loop time the queue last started or moved (send timeout) */
+	int events;                  /* what poll watches now (UV_READABLE, ...) */
+	uint32_t inflight;           /* requests read, not yet answered: the session's parked ones */
+	uint32_t single_reads;       /* reads left to make one datagram at a time (CONN_SINGLE_READS) */
+	conn *prev, *next;           /* env's list */
+	conn *doomed_next;           /* env's list of connections to close */
+};
+
+static void conn_update(conn *c);
+
+int conn_env_init(conn_env *env)
+{
+	env->rbuf = malloc(CONN_READ_BATCH * ((size_t)env->limits.max_datagram + 1));
+	return env->rbuf ? 0 : -1;
+}
+
+void conn_env_free(conn_env *env)
+{
+	free(env->rbuf);
+	env->rbuf = NULL;
+}
 
 void conn_doom(conn *c, const char *why)
 {
@@ -30,25 +74,33 @@ void conn_doom(conn *c, const char *why)
 	snprintf(c->why, sizeof(c->why), "%s", why);
 	/* No more reading: nothing from a doomed connection is acted on. */
 	uv_poll_stop(&c->poll);
-	c->doomed_next = c->srv->doomed;
-	c->srv->doomed = c;
-	server_reap_soon(c->srv);
+	c->doomed_next = c->env->doomed;
+	c->env->doomed = c;
+	c->env->reap_soon(c->env->ctx);
+}
+
+conn *conn_next_doomed(conn_env *env)
+{
+	conn *c = env->doomed;
+	if (c)
+		env->doomed = c->doomed_next;
+	return c;
 }
 
 /* Queue a packed response that the socket did not take. */
 static void enqueue(conn *c, const unsigned char *data, size_t len, int fd)
 {
-	if (c->out_bytes + len > c->srv->cfg.queue_bytes) {
+	if (c->out_bytes + len > c->env->limits.queue_bytes) {
 		char why[128];
 		log_warn("event=output_overflow conn=%llu uid=%u pid=%u queued=%llu limit=%llu",
 			 (unsigned long long)c->serial, c->uid, c->pid,
-			 (unsigned long long)c->out_bytes, (unsigned long long)c->srv->cfg.queue_bytes);
-		metrics_refused(&c->srv->counters, METRICS_LIMIT_QUEUE_BYTES);
+			 (unsigned long long)c->out_bytes, (unsigned long long)c->env->limits.queue_bytes);
+		metrics_refused(c->env->counters, METRICS_LIMIT_QUEUE_BYTES);
 		snprintf(why, sizeof(why),
 			 "client stopped reading its responses: %llu bytes would be queued; the "
 			 "limit is %llu (--queue-bytes)",
 			 (unsigned long long)(c->out_bytes + len),
-			 (unsigned long long)c->srv->cfg.queue_bytes);
+			 (unsigned long long)c->env->limits.queue_bytes);
 		conn_doom(c, why);
 		return;
 	}
@@ -70,15 +122,17 @@ static void enqueue(conn *c, const unsigned char *data, size_t len, int fd)
 		c->out_tail->next = m;
 	} else {
 		c->out_head = m;
-		c->out_moved_ms = uv_now(c->srv->loop);
-		server_output_queued(c->srv);
+		c->out_moved_ms = uv_now(c->env->loop);
+		c->env->output_queued(c->env->ctx);
 	}
 	c->out_tail = m;
 	c->out_bytes += len;
 	conn_update(c);
 }
 
-void conn_send_packed(conn *c, const unsigned char *data, size_t len, int fd)
+/* Send len > 0 bytes, fd attached unless < 0 (borrowed); a full socket
+ * queues them. */
+static void send_packed(conn *c, const unsigned char *data, size_t len, int fd)
 {
 	if (c->doomed || c->closed)
 		return;
@@ -96,32 +150,52 @@ void conn_send_packed(conn *c, const unsigned char *data, size_t len, int fd)
 	enqueue(c, data, len, fd);
 }
 
-void conn_send(conn *c, const Bufbroker__Response *r, int fd)
+static void send_status(conn *c, uint64_t req_id, int code, const char *msg)
 {
-	size_t len = bufbroker__response__get_packed_size(r);
-	if (len > c->srv->cfg.max_datagram) {
+	const unsigned char *data;
+	size_t len = codec_encode_status(c->env->codec, req_id, code, msg, &data);
+	if (len)
+		send_packed(c, data, len, -1);
+}
+
+/* ---- the reply interface (handler.h) ---------------------------------------- */
+
+static void reply_send(void *ctx, const Bufbroker__Response *r, int fd)
+{
+	conn *c = ctx;
+	const unsigned char *data;
+	if (c->doomed || c->closed)
+		return;
+	size_t len = codec_encode(c->env->codec, r, &data);
+	if (!len) {
 		/* The handler keeps every response within the limit; if one
 		 * ever is not, say so rather than send what the peer rejects. */
 		log_error("event=response_too_large conn=%llu bytes=%zu", (unsigned long long)c->serial,
-			  len);
-		conn_send_status(c, r->id, BB_ERR_SYSTEM, "response too large for one datagram");
+			  bufbroker__response__get_packed_size(r));
+		send_status(c, r->id, BB_ERR_SYSTEM, "response too large for one datagram");
 		return;
 	}
-	bufbroker__response__pack(r, c->srv->sbuf);
 	/* An empty response never carries an fd (it would be lost), and every
 	 * response has a Status, so len > 0 here. */
-	conn_send_packed(c, c->srv->sbuf, len, fd);
+	send_packed(c, data, len, fd);
 }
 
-void conn_send_status(conn *c, uint64_t req_id, int code, const char *msg)
+static void reply_close_after(void *ctx, const char *why)
 {
-	Bufbroker__Response r = BUFBROKER__RESPONSE__INIT;
-	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
-	st.code = code;
-	st.message = (char *)(msg ? msg : "");
-	r.id = req_id;
-	r.status = &st;
-	conn_send(c, &r, -1);
+	conn_doom(ctx, why);
+}
+
+static void reply_parked(void *ctx, uint32_t parked)
+{
+	conn *c = ctx;
+	c->inflight = parked;
+	conn_update(c);
+}
+
+static bool reply_closing(void *ctx)
+{
+	const conn *c = ctx;
+	return c->doomed || c->closed;
 }
 
 static void flush(conn *c)
@@ -139,7 +213,7 @@ static void flush(conn *c)
 		if (!c->out_head)
 			c->out_tail = NULL;
 		c->out_bytes -= m->len;
-		c->out_moved_ms = uv_now(c->srv->loop);
+		c->out_moved_ms = uv_now(c->env->loop);
 		if (m->fd >= 0)
 			close(m->fd);
 		free(m);
@@ -157,23 +231,23 @@ static void on_io(uv_poll_t *p, int status, int events);
  * conn_inflight of them reading pauses too, until one is answered. The end
  * of the peer is watched throughout, so that a client that goes away while
  * paused releases what it held at once. */
-void conn_update(conn *c)
+static void conn_update(conn *c)
 {
 	if (c->doomed || c->closed)
 		return;
 	int ev = UV_DISCONNECT;
 	if (c->out_head)
 		ev |= UV_WRITABLE;
-	else if (c->inflight < c->srv->cfg.conn_inflight)
+	else if (c->inflight < c->env->limits.conn_inflight)
 		ev |= UV_READABLE;
 	if (ev == c->events)
 		return;
 	if (!c->out_head && !(ev & UV_READABLE)) {
 		/* Counted once per pause, not per request it holds back. */
-		metrics_refused(&c->srv->counters, METRICS_LIMIT_CONN_INFLIGHT);
+		metrics_refused(c->env->counters, METRICS_LIMIT_CONN_INFLIGHT);
 		log_debug("event=reading_paused conn=%llu uid=%u pid=%u inflight=%u limit=%u",
 			  (unsigned long long)c->serial, c->uid, c->pid, c->inflight,
-			  c->srv->cfg.conn_inflight);
+			  c->env->limits.conn_inflight);
 	}
 	c->events = ev;
 	uv_poll_start(&c->poll, ev, on_io);
@@ -185,7 +259,7 @@ static void protocol_error(conn *c, uint64_t id, const char *msg, bool close_aft
 	log_warn("event=protocol_error conn=%llu uid=%u pid=%u error=\"%s\"%s",
 		 (unsigned long long)c->serial, c->uid, c->pid, log_escape(msg, esc, sizeof(esc)),
 		 close_after ? " action=close" : "");
-	conn_send_status(c, id, BB_ERR_PROTOCOL, msg);
+	send_status(c, id, BB_ERR_PROTOCOL, msg);
 	if (close_after)
 		conn_doom(c, msg);
 }
@@ -205,23 +279,24 @@ static bool peer_closed(int fd)
 static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n, int fd,
 			    int truncated)
 {
-	server *s = c->srv;
+	conn_env *env = c->env;
+	uint32_t max = env->limits.max_datagram;
 	if (n == 0 && fd < 0 && ((events & UV_DISCONNECT) || peer_closed(c->fd))) {
 		conn_doom(c, "peer closed");
 		return;
 	}
-	if (truncated || (size_t)n > s->cfg.max_datagram) {
+	if (truncated || (size_t)n > max) {
 		if (fd >= 0)
 			close(fd);
 		char msg[160];
-		if ((size_t)n > s->cfg.max_datagram)
+		if ((size_t)n > max)
 			/* The receive buffer holds one byte more than the
 			 * limit: a datagram that filled it is too large by at
 			 * least that byte, and its true size is not known. */
 			snprintf(msg, sizeof(msg),
 				 "datagram larger than %u bytes; the limit is %u bytes "
 				 "(--max-datagram)",
-				 s->cfg.max_datagram, s->cfg.max_datagram);
+				 max, max);
 		else
 			snprintf(msg, sizeof(msg),
 				 "datagram of %zd bytes with more than one file descriptor; at most "
@@ -236,30 +311,21 @@ static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n,
 		protocol_error(c, 0, "empty datagram", false);
 		return;
 	}
-	/* Timed from before decoding: protobuf-c's unpack is part of what a
-	 * request costs the daemon. */
+	/* Timed from before decoding: decoding is part of what a request
+	 * costs the daemon. */
 	uint64_t t0 = uv_hrtime();
-	int op = handler_request_flat(c, data, (size_t)n, fd);
-	if (!op) {
-		Bufbroker__Request *req = bufbroker__request__unpack(&s->arena.pc, (size_t)n, data);
-		if (!req) {
-			/* Whatever it had allocated, protobuf-c freed. */
-			bb_arena_reset(&s->arena);
-			if (fd >= 0)
-				close(fd);
-			char msg[96];
-			snprintf(msg, sizeof(msg), "could not decode request (%zd bytes)", n);
-			protocol_error(c, 0, msg, true);
-			return;
-		}
-		op = (int)req->op_case;
-		handler_request(c, req, fd);
-		/* Only what spilled over the arena needs freeing. */
-		if (s->arena.spilled)
-			bufbroker__request__free_unpacked(req, &s->arena.pc);
-		bb_arena_reset(&s->arena);
+	codec_request cr;
+	char msg[96];
+	if (codec_decode(env->codec, data, (size_t)n, &cr, msg, sizeof(msg)) < 0) {
+		if (fd >= 0)
+			close(fd);
+		protocol_error(c, 0, msg, true);
+		return;
 	}
-	metrics_handled(&s->counters, op, uv_hrtime() - t0);
+	int op = (int)cr.req->op_case;
+	handler_request(c->session, cr.req, fd);
+	codec_request_done(env->codec, &cr);
+	metrics_handled(env->counters, op, uv_hrtime() - t0);
 }
 
 /* Read what the peer has queued, up to CONN_READ_BATCH datagrams in one
@@ -271,16 +337,17 @@ static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n,
  * stays exact; once the connection is doomed the rest are dropped. */
 static void read_batch(conn *c, int events)
 {
-	server *s = c->srv;
+	conn_env *env = c->env;
 	msgio_slot slot[CONN_READ_BATCH];
 	unsigned want = c->single_reads ? 1 : CONN_READ_BATCH;
-	uint32_t room = s->cfg.conn_inflight > c->inflight ? s->cfg.conn_inflight - c->inflight : 1;
-	size_t cap = (size_t)s->cfg.max_datagram + 1;
+	uint32_t lim = env->limits.conn_inflight;
+	uint32_t room = lim > c->inflight ? lim - c->inflight : 1;
+	size_t cap = (size_t)env->limits.max_datagram + 1;
 
 	if (want > room)
 		want = room;
 	for (unsigned i = 0; i < want; i++) {
-		slot[i].buf = s->rbuf + i * cap;
+		slot[i].buf = env->rbuf + i * cap;
 		slot[i].cap = cap;
 	}
 	int got = msgio_recv_batch(c->fd, slot, want);
@@ -326,7 +393,7 @@ static void on_io(uv_poll_t *p, int status, int events)
 	conn_doom(c, "peer closed");
 }
 
-/* ---- lifecycle (called by server.c) ------------------------------------------ */
+/* ---- lifecycle ---------------------------------------------------------------- */
 
 static void on_closed(uv_handle_t *h)
 {
@@ -342,27 +409,34 @@ static void on_closed(uv_handle_t *h)
 	free(c);
 }
 
-/* Start serving an accepted socket. */
-conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid);
-conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
+conn *conn_start(conn_env *env, int fd, uint32_t uid, uint32_t gid, uint32_t pid, bool denied)
 {
 	conn *c = calloc(1, sizeof(*c));
 	if (!c)
 		return NULL;
 	c->fd = fd;
-	c->srv = s;
-	c->serial = ++s->next_serial;
+	c->env = env;
+	c->serial = ++env->next_serial;
 	c->uid = uid;
-	c->gid = gid;
 	c->pid = pid;
-	if (uv_poll_init(s->loop, &c->poll, fd) < 0) {
+	if (uv_poll_init(env->loop, &c->poll, fd) < 0) {
 		free(c);
 		return NULL;
 	}
 	c->poll.data = c;
-	DL_APPEND(s->conns, c);
+	DL_APPEND(env->conns, c);
 	c->events = UV_READABLE | UV_DISCONNECT;
 	uv_poll_start(&c->poll, c->events, on_io);
+	handler_reply reply = {
+		.send = reply_send,
+		.close_after = reply_close_after,
+		.parked = reply_parked,
+		.closing = reply_closing,
+		.ctx = c,
+	};
+	c->session = handler_session_open(env->h, c->serial, uid, gid, pid, denied, &reply);
+	if (!c->session)
+		conn_doom(c, "daemon out of memory");
 	return c;
 }
 
@@ -390,31 +464,86 @@ static void drain(int fd)
 	}
 }
 
-/* Release everything the connection held and close it. */
-void conn_close(conn *c);
 void conn_close(conn *c)
 {
-	server *s = c->srv;
 	if (c->closed)
 		return;
 	c->closed = true;
-	if (c->denied)
-		s->denied_pending--;
-	handler_drop_waits(c);
-	if (c->bc) {
-		uint64_t buffers, bytes;
-		broker_conn_holdings(c->bc, &buffers, &bytes);
-		broker_conn_close(s->b, c->bc);
-		c->bc = NULL;
-		log_info("event=connection_closed conn=%llu uid=%u pid=%u client=\"%s\" released_buffers=%llu "
-			 "released_bytes=%llu reason=\"%s\"",
-			 (unsigned long long)c->serial, c->uid, c->pid, c->name,
-			 (unsigned long long)buffers, (unsigned long long)bytes,
-			 c->why[0] ? c->why : "daemon stopping");
-		server_tokens_changed(s);
-	}
-	DL_DELETE(s->conns, c);
+	if (c->session)
+		handler_session_close(c->session, c->why);
+	c->session = NULL;
+	DL_DELETE(c->env->conns, c);
 	uv_poll_stop(&c->poll);
 	drain(c->fd);
 	uv_close((uv_handle_t *)&c->poll, on_closed);
+}
+
+void conn_update_all(conn_env *env)
+{
+	for (conn *c = env->conns; c; c = c->next)
+		conn_update(c);
+}
+
+uint64_t conn_sweep_stalled(conn_env *env, uint64_t now)
+{
+	uint64_t limit = env->limits.send_timeout_ms, next = UINT64_MAX;
+	conn *c;
+	DL_FOREACH (env->conns, c) {
+		if (!c->out_head || c->doomed || c->closed)
+			continue;
+		uint64_t still = now - c->out_moved_ms;
+		if (still < limit) {
+			if (limit - still < next)
+				next = limit - still;
+			continue;
+		}
+		char why[192];
+		log_warn("event=send_timeout conn=%llu uid=%u pid=%u queued=%llu stalled_ms=%llu "
+			 "limit_ms=%llu",
+			 (unsigned long long)c->serial, c->uid, c->pid,
+			 (unsigned long long)c->out_bytes, (unsigned long long)still,
+			 (unsigned long long)limit);
+		metrics_refused(env->counters, METRICS_LIMIT_SEND_TIMEOUT);
+		snprintf(why, sizeof(why),
+			 "client read none of its %llu bytes of queued responses for %llu ms; the "
+			 "limit is %llu ms (--send-timeout)",
+			 (unsigned long long)c->out_bytes, (unsigned long long)still,
+			 (unsigned long long)limit);
+		conn_doom(c, why);
+	}
+	return next;
+}
+
+void conn_close_all(conn_env *env)
+{
+	/* Nothing is sent while stopping: parked requests are dropped and
+	 * every connection is silenced before any closes, so that a waiter
+	 * learns that the daemon went (end of stream), not that its producer
+	 * did, which depends only on the close order. */
+	for (conn *c = env->conns; c; c = c->next) {
+		if (c->session)
+			handler_session_drop_parked(c->session);
+		c->doomed = true;
+	}
+	while (env->conns)
+		conn_close(env->conns);
+	env->doomed = NULL;
+}
+
+uint64_t conn_first_serial(const conn_env *env)
+{
+	return env->conns ? env->conns->serial : 0;
+}
+
+size_t conn_reading_fds(conn_env *env, int *fds, size_t max)
+{
+	size_t n = 0;
+	for (conn *c = env->conns; c; c = c->next) {
+		if (c->doomed || c->closed || !(c->events & UV_READABLE))
+			continue;
+		if (n < max)
+			fds[n] = c->fd;
+		n++;
+	}
+	return n;
 }

@@ -1,7 +1,10 @@
 /*
- * The request layer: turn one decoded Request into broker calls and one
- * Response (or none, for no_reply requests; or later, for a parked Wait).
+ * The request layer: sessions, and one function per op that turns a
+ * decoded Request into broker calls and an answer through the session's
+ * reply interface.
  */
+#include "handler.h"
+
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,14 +13,45 @@
 
 #include <utlist.h>
 
-#include "flatwire.h"
 #include "log.h"
-#include "server.h"
 #include "wire.h"
+
+/* Connections of peers that no allow-list admits, waiting for the Hello
+ * that gets their refusal; beyond this many, the next is refused at once. */
+#define HANDLER_DENIED_PENDING_MAX 64
+
+struct handler {
+	uv_loop_t *loop;             /* timers */
+	const status_sources *src;   /* broker, backends: what the snapshot reads */
+	broker *b;                   /* src->b */
+	park *park;                  /* parked waits and allocs */
+	metrics_counters *counters;  /* requests answered, refusals */
+	uint32_t max_datagram;       /* the most one answer may hold */
+	uv_timer_t token_timer;      /* next token expiry */
+	uint32_t denied_pending;     /* denied sessions not yet closed */
+	bool stopping;               /* handler_stop was called */
+	session *sessions;           /* open sessions, in connection-number order */
+};
+
+/* One client connection, as the request layer sees it. */
+struct session {
+	handler *h;             /* owner */
+	handler_reply reply;    /* how it answers */
+	uint64_t serial;        /* connection number, for logs */
+	uint32_t uid, gid, pid; /* SO_PEERCRED */
+	char name[64];          /* Hello.client_name, for logs */
+	bool hello;             /* Hello accepted */
+	bool denied;            /* no allow-list admits the peer: its first request is refused */
+	broker_conn *bc;        /* the broker's view of it; NULL when denied or refused */
+	park_wait *waits;       /* its parked Waits */
+	uint32_t parked_allocs; /* its Allocs parked in the lot */
+	uint32_t parked;        /* parked requests: waits and allocs */
+	session *prev, *next;   /* handler's list */
+};
 
 /* The request being answered. */
 typedef struct req_ctx {
-	conn *c;         /* who asked */
+	session *c;      /* who asked */
 	uint64_t id;     /* Request.id */
 	bool quiet;      /* Request.no_reply */
 	const char *op;  /* op name, for logs */
@@ -49,10 +83,58 @@ const char *handler_status_name(int code)
 	return code_name(code);
 }
 
+/* Send a response that is just a status. */
+static void send_status(session *c, uint64_t req_id, int code, const char *msg)
+{
+	Bufbroker__Response r = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
+	st.code = code;
+	st.message = (char *)(msg ? msg : "");
+	r.id = req_id;
+	r.status = &st;
+	c->reply.send(c->reply.ctx, &r, -1);
+}
+
+static void close_after(session *c, const char *why)
+{
+	c->reply.close_after(c->reply.ctx, why);
+}
+
+/* The session's parked count changed by delta: tell the transport. */
+static void parked_add(session *c, int delta)
+{
+	c->parked = (uint32_t)((int)c->parked + delta);
+	c->reply.parked(c->reply.ctx, c->parked);
+}
+
+static void on_token_timer(uv_timer_t *t)
+{
+	handler *h = t->data;
+	uint64_t next = broker_expire_tokens(h->b);
+	if (next != UINT64_MAX)
+		uv_timer_start(&h->token_timer, on_token_timer, next, 0);
+}
+
+/* Tokens were made or ended (Take, Adopt, a closed session): make sure the
+ * token timer fires when the oldest live one expires. */
+static void tokens_changed(handler *h)
+{
+	if (h->stopping)
+		return;
+	/* Tokens expire oldest first; the timer only needs to track the
+	 * oldest. Recompute from the broker, which also expires overdue ones. */
+	uint64_t next = broker_expire_tokens(h->b);
+	if (next == UINT64_MAX)
+		uv_timer_stop(&h->token_timer);
+	else if (!uv_is_active((uv_handle_t *)&h->token_timer) ||
+		 uv_timer_get_due_in(&h->token_timer) > next)
+		uv_timer_start(&h->token_timer, on_token_timer, next, 0);
+}
+
 static void reply_error(req_ctx *r, int code, const char *msg)
 {
-	conn *c = r->c;
-	metrics_answered(&c->srv->counters, r->opc, code);
+	session *c = r->c;
+	metrics_answered(c->h->counters, r->opc, code);
 	if (code != BB_ERR_TIMEOUT && log_enabled(LOG_INFO)) {
 		char esc[512];
 		log_info("event=request_failed conn=%llu uid=%u pid=%u op=%s code=%s error=\"%s\"",
@@ -60,19 +142,19 @@ static void reply_error(req_ctx *r, int code, const char *msg)
 			 log_escape(msg, esc, sizeof(esc)));
 	}
 	if (!r->quiet)
-		conn_send_status(c, r->id, code, msg);
+		send_status(c, r->id, code, msg);
 }
 
 static void reply(req_ctx *r, Bufbroker__Response *resp, int fd)
 {
 	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
-	metrics_answered(&r->c->srv->counters, r->opc, BB_OK);
+	metrics_answered(r->c->h->counters, r->opc, BB_OK);
 	if (r->quiet)
 		return;
 	st.message = "";
 	resp->id = r->id;
 	resp->status = &st;
-	conn_send(r->c, resp, fd);
+	r->c->reply.send(r->c->reply.ctx, resp, fd);
 }
 
 static void reply_ok(req_ctx *r)
@@ -103,57 +185,37 @@ static void fill_info(Bufbroker__BufferInfo *bi, const broker_info *in)
 /* Answer with a Grant for buf, the memory's fd attached. */
 static void grant(req_ctx *r, broker_buf *buf)
 {
-	server *s = r->c->srv;
-	broker_info info;
-	backend_export ex;
+	broker_granted gr;
 	broker_error err;
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__Grant g = BUFBROKER__GRANT__INIT;
 	Bufbroker__BufferInfo bi;
 
-	broker_buf_info(s->b, buf, r->c->bc, &info);
-	int rc = broker_buf_export(s->b, buf, &ex, &err);
+	int rc = broker_grant(r->c->h->b, r->c->bc, buf, &gr, &err);
 	if (rc) {
-		/* The caller got a count it will never learn of: give it back. */
-		broker_release(s->b, r->c->bc, info.id, 1, NULL, NULL, NULL);
 		reply_error(r, rc, err.msg);
 		return;
 	}
-	/* A process of another uid may keep the fd: never reuse its memfd. */
-	if (ex.fd >= 0 && info.owner_uid != r->c->uid)
-		backend_host_exposed(s->host, ex.fd);
-	fill_info(&bi, &info);
+	fill_info(&bi, &gr.info);
 	g.info = &bi;
-	if (ex.has_ipc) {
-		g.ipc_handle.data = ex.ipc_handle;
-		g.ipc_handle.len = sizeof(ex.ipc_handle);
-		g.offset = ex.offset;
-		g.device_uuid.data = ex.device_uuid;
-		g.device_uuid.len = sizeof(ex.device_uuid);
-		g.allocation = ex.allocation;
+	if (gr.ex.has_ipc) {
+		g.ipc_handle.data = gr.ex.ipc_handle;
+		g.ipc_handle.len = sizeof(gr.ex.ipc_handle);
+		g.offset = gr.ex.offset;
+		g.device_uuid.data = gr.ex.device_uuid;
+		g.device_uuid.len = sizeof(gr.ex.device_uuid);
+		g.allocation = gr.ex.allocation;
 	}
 	resp.result_case = BUFBROKER__RESPONSE__RESULT_GRANT;
 	resp.grant = &g;
-	reply(r, &resp, ex.fd);
-}
-
-/* RefsReply is the commonest answer: packed by flatwire, into the same
- * bytes protobuf-c would make, at a fraction of the cost. */
-static void refs_reply(req_ctx *r, uint64_t refs, uint32_t held)
-{
-	flat_refs_resp fr = {.id = r->id, .refs = refs, .held = held};
-	unsigned char buf[FLAT_MAX_BYTES];
-	metrics_answered(&r->c->srv->counters, r->opc, BB_OK);
-	if (r->quiet)
-		return;
-	conn_send_packed(r->c, buf, flat_refs_resp_encode(&fr, buf), -1);
+	reply(r, &resp, gr.ex.fd);
 }
 
 /* ---- ops --------------------------------------------------------------------- */
 
 static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 {
-	conn *c = r->c;
+	session *c = r->c;
 	char msg[160];
 	if (c->hello) {
 		reply_error(r, BB_ERR_PROTOCOL, "Hello was already sent on this connection");
@@ -164,7 +226,7 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 			 "protocol version %u.%u is not supported; this daemon speaks %d.%d",
 			 h->version_major, h->version_minor, BB_PROTO_MAJOR, BB_PROTO_MINOR);
 		reply_error(r, BB_ERR_PROTOCOL, msg);
-		conn_doom(c, "protocol version mismatch");
+		close_after(c, "protocol version mismatch");
 		return;
 	}
 	c->hello = true;
@@ -185,7 +247,7 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 	hr.uid = c->uid;
 	hr.gid = c->gid;
 	hr.pid = c->pid;
-	hr.max_datagram = c->srv->cfg.max_datagram;
+	hr.max_datagram = c->h->max_datagram;
 	resp.result_case = BUFBROKER__RESPONSE__RESULT_HELLO;
 	resp.hello = &hr;
 	reply(r, &resp, -1);
@@ -196,7 +258,6 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
 		     uint32_t share, int fd)
 {
-	server *s = r->c->srv;
 	broker_error err;
 	broker_buf *buf;
 	broker_alloc_req req = {
@@ -207,7 +268,7 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 		.share = share > BB_SHARE_ANY ? -1 : (int)share,
 		.import_fd = fd,
 	};
-	int rc = broker_alloc(s->b, r->c->bc, &req, &buf, &err);
+	int rc = broker_alloc(r->c->h->b, r->c->bc, &req, &buf, &err);
 	if (rc == BACKEND_GROW)
 		return rc;
 	if (rc) {
@@ -220,84 +281,79 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 	return 0;
 }
 
-static void parked_alloc_free(parked_alloc *pa)
-{
-	conn *c = pa->c;
-	c->parked_allocs--;
-	c->inflight--;
-	free(pa->name);
-	free(pa);
-	conn_update(c);
-}
-
 static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
 		     uint32_t share, int fd)
 {
-	conn *c = r->c;
+	session *c = r->c;
 	if (alloc_try(r, size, kind, device, name, share, fd) != BACKEND_GROW)
 		return;
 	/* The backend is making memory (a new CUDA slab): answer once a
 	 * backend job is done. Later requests on this connection are answered
-	 * meanwhile, as with Wait; conn_inflight bounds how many park (the
-	 * connection is not read beyond it). */
-	parked_alloc *pa = calloc(1, sizeof(*pa));
-	if (!pa || (name && name[0] && !(pa->name = strdup(name)))) {
-		free(pa);
+	 * meanwhile, as with Wait; the transport bounds how many park (it
+	 * reads no further beyond its limit). */
+	park_alloc pa = {
+		.owner = c,
+		.req_id = r->id,
+		.quiet = r->quiet,
+		.size = size,
+		.kind = kind,
+		.device = device,
+		.share = share,
+		.name = (char *)name,
+	};
+	if (park_alloc_add(c->h->park, &pa)) {
 		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
 		return;
 	}
-	pa->c = c;
-	pa->req_id = r->id;
-	pa->quiet = r->quiet;
-	pa->size = size;
-	pa->kind = kind;
-	pa->device = device;
-	pa->share = share;
 	c->parked_allocs++;
-	c->inflight++;
-	DL_APPEND(c->srv->allocs, pa);
-	conn_update(c);
+	parked_add(c, 1);
 	log_debug("event=alloc_parked conn=%llu uid=%u size=%" PRIu64 " device=%d",
 		  (unsigned long long)c->serial, c->uid, size, device);
 }
 
-void handler_retry_allocs(server *s)
+/* A parked alloc left the lot (answered or dropped). */
+static void alloc_unparked(session *c)
 {
-	if (s->stopping || !s->allocs)
-		return;
-	/* Detach the list: what parks again during the round goes to the
-	 * end of a fresh one, so the order holds and the round ends. */
-	parked_alloc *list = s->allocs, *pa, *tmp;
-	s->allocs = NULL;
-	DL_FOREACH_SAFE(list, pa, tmp)
-	{
-		DL_DELETE(list, pa);
-		req_ctx r = {.c = pa->c, .id = pa->req_id, .quiet = pa->quiet, .op = "alloc",
-			     .opc = BUFBROKER__REQUEST__OP_ALLOC};
-		if (pa->c->doomed || pa->c->closed) {
-			metrics_answered(&s->counters, r.opc, BB_ERR_DISCONNECTED);
-			parked_alloc_free(pa);
-			continue;
-		}
-		int rc = alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, -1);
-		if (rc != BACKEND_GROW) {
-			parked_alloc_free(pa);
-			continue;
-		}
-		DL_APPEND(s->allocs, pa);
+	c->parked_allocs--;
+	parked_add(c, -1);
+}
+
+/* One parked alloc's retry: true when it was answered. */
+static bool retry_alloc(void *ctx, const park_alloc *pa)
+{
+	handler *h = ctx;
+	session *c = pa->owner;
+	req_ctx r = {.c = c, .id = pa->req_id, .quiet = pa->quiet, .op = "alloc",
+		     .opc = BUFBROKER__REQUEST__OP_ALLOC};
+	if (c->reply.closing(c->reply.ctx)) {
+		metrics_answered(h->counters, r.opc, BB_ERR_DISCONNECTED);
+		alloc_unparked(c);
+		return true;
 	}
+	if (alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, -1) ==
+	    BACKEND_GROW)
+		return false;
+	alloc_unparked(c);
+	return true;
+}
+
+void handler_retry_allocs(handler *h)
+{
+	if (h->stopping || !park_allocs_count(h->park))
+		return;
+	park_allocs_retry(h->park, retry_alloc, h);
 }
 
 static void do_open(req_ctx *r, const Bufbroker__Open *o)
 {
-	server *s = r->c->srv;
+	broker *b = r->c->h->b;
 	broker_error err;
 	broker_buf *buf;
 	int rc;
 	if (o->target_case == BUFBROKER__OPEN__TARGET_NAME)
-		rc = broker_open_name(s->b, r->c->bc, o->name, &buf, &err);
+		rc = broker_open_name(b, r->c->bc, o->name, &buf, &err);
 	else if (o->target_case == BUFBROKER__OPEN__TARGET_ID)
-		rc = broker_open_id(s->b, r->c->bc, o->id, &buf, &err);
+		rc = broker_open_id(b, r->c->bc, o->id, &buf, &err);
 	else
 		rc = BB_ERR_INVALID, snprintf(err.msg, sizeof(err.msg), "Open needs an id or a name");
 	if (rc) {
@@ -309,30 +365,36 @@ static void do_open(req_ctx *r, const Bufbroker__Open *o)
 
 static void do_refs(req_ctx *r, uint64_t id, uint32_t count, bool retain)
 {
-	server *s = r->c->srv;
+	broker *b = r->c->h->b;
 	broker_error err;
 	uint64_t refs = 0;
 	uint32_t held = 0;
-	int rc = retain ? broker_retain(s->b, r->c->bc, id, count, &refs, &held, &err)
-			: broker_release(s->b, r->c->bc, id, count, &refs, &held, &err);
+	int rc = retain ? broker_retain(b, r->c->bc, id, count, &refs, &held, &err)
+			: broker_release(b, r->c->bc, id, count, &refs, &held, &err);
 	if (rc) {
 		reply_error(r, rc, err.msg);
 		return;
 	}
-	refs_reply(r, refs, held);
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__RefsReply rr = BUFBROKER__REFS_REPLY__INIT;
+	rr.refs = refs;
+	rr.held = held;
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_REFS;
+	resp.refs = &rr;
+	reply(r, &resp, -1);
 }
 
 static void do_take(req_ctx *r, const Bufbroker__Take *t)
 {
-	server *s = r->c->srv;
+	broker *b = r->c->h->b;
 	broker_error err;
 	unsigned char tok[BB_TOKEN_SIZE];
-	int rc = broker_take(s->b, r->c->bc, t->id, t->retain, tok, &err);
+	int rc = broker_take(b, r->c->bc, t->id, t->retain, tok, &err);
 	if (rc) {
 		reply_error(r, rc, err.msg);
 		return;
 	}
-	server_tokens_changed(s);
+	tokens_changed(r->c->h);
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__TakeReply tr = BUFBROKER__TAKE_REPLY__INIT;
 	tr.token.data = tok;
@@ -344,7 +406,7 @@ static void do_take(req_ctx *r, const Bufbroker__Take *t)
 
 static void do_adopt(req_ctx *r, const Bufbroker__Adopt *a)
 {
-	server *s = r->c->srv;
+	broker *b = r->c->h->b;
 	broker_error err;
 	broker_buf *buf;
 	if (a->token.len != BB_TOKEN_SIZE) {
@@ -353,8 +415,8 @@ static void do_adopt(req_ctx *r, const Bufbroker__Adopt *a)
 		reply_error(r, BB_ERR_INVALID, msg);
 		return;
 	}
-	int rc = broker_adopt(s->b, r->c->bc, a->token.data, &buf, &err);
-	server_tokens_changed(s);
+	int rc = broker_adopt(b, r->c->bc, a->token.data, &buf, &err);
+	tokens_changed(r->c->h);
 	if (rc) {
 		reply_error(r, rc, err.msg);
 		return;
@@ -364,10 +426,10 @@ static void do_adopt(req_ctx *r, const Bufbroker__Adopt *a)
 
 static void do_settle(req_ctx *r, uint64_t id, const char *error)
 {
-	server *s = r->c->srv;
+	broker *b = r->c->h->b;
 	broker_error err;
-	int rc = error ? broker_set_error(s->b, r->c->bc, id, error, &err)
-		       : broker_set_ready(s->b, r->c->bc, id, &err);
+	int rc = error ? broker_set_error(b, r->c->bc, id, error, &err)
+		       : broker_set_ready(b, r->c->bc, id, &err);
 	if (rc) {
 		reply_error(r, rc, err.msg);
 		return;
@@ -377,7 +439,8 @@ static void do_settle(req_ctx *r, uint64_t id, const char *error)
 
 /* ---- Wait ------------------------------------------------------------------- */
 
-static void wait_reply(conn *c, uint64_t req_id, bb_state state, const char *error)
+/* Answer a Wait with the buffer's state. */
+static void wait_reply(session *c, uint64_t req_id, bb_state state, const char *error)
 {
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
@@ -389,60 +452,24 @@ static void wait_reply(conn *c, uint64_t req_id, bb_state state, const char *err
 	resp.status = &st;
 	resp.result_case = BUFBROKER__RESPONSE__RESULT_WAIT;
 	resp.wait = &wr;
-	metrics_answered(&c->srv->counters, BUFBROKER__REQUEST__OP_WAIT, BB_OK);
-	conn_send(c, &resp, -1);
+	c->reply.send(c->reply.ctx, &resp, -1);
 }
 
-/* Answer a Wait with just a status. */
-static void wait_status(conn *c, uint64_t req_id, int code, const char *msg)
+/* A parked wait ended (park.h): answer it, unless its session is going. */
+static void wait_done(void *owner, uint64_t req_id, int code, bb_state state, const char *error)
 {
-	metrics_answered(&c->srv->counters, BUFBROKER__REQUEST__OP_WAIT, code);
-	conn_send_status(c, req_id, code, msg);
-}
-
-static void wait_free_cb(uv_handle_t *h)
-{
-	free(h->data);
-}
-
-/* Unlink pw from its connection and free it (after its timer closes). */
-static void wait_dispose(parked_wait *pw)
-{
-	conn *c = pw->c;
-	DL_DELETE(c->waits, pw);
-	c->inflight--;
-	if (pw->has_timer) {
-		uv_timer_stop(&pw->timer);
-		uv_close((uv_handle_t *)&pw->timer, wait_free_cb);
-	} else {
-		free(pw);
-	}
-	conn_update(c);
-}
-
-static void on_wake(broker_waiter *w, int code, bb_state state, const char *error)
-{
-	parked_wait *pw = (parked_wait *)w;
+	session *c = owner;
+	metrics_answered(c->h->counters, BUFBROKER__REQUEST__OP_WAIT, code);
 	if (code == 0)
-		wait_reply(pw->c, pw->req_id, state, error);
-	else
-		wait_status(pw->c, pw->req_id, code, "the buffer was freed while waiting");
-	wait_dispose(pw);
-}
-
-static void on_wait_timeout(uv_timer_t *t)
-{
-	parked_wait *pw = t->data;
-	server *s = pw->c->srv;
-	broker_wait_cancel(s->b, &pw->w);
-	wait_status(pw->c, pw->req_id, BB_ERR_TIMEOUT, "the buffer is still pending");
-	wait_dispose(pw);
+		wait_reply(c, req_id, state, error);
+	else if (code != BB_ERR_DISCONNECTED)
+		send_status(c, req_id, code, error);
+	parked_add(c, -1);
 }
 
 static void do_wait(req_ctx *r, const Bufbroker__Wait *wq)
 {
-	conn *c = r->c;
-	server *s = c->srv;
+	session *c = r->c;
 	broker_error err;
 	bb_state state;
 	char error[256];
@@ -450,58 +477,28 @@ static void do_wait(req_ctx *r, const Bufbroker__Wait *wq)
 		reply_error(r, BB_ERR_INVALID, "Wait cannot be no_reply");
 		return;
 	}
-	parked_wait *pw = calloc(1, sizeof(*pw));
-	if (!pw) {
-		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
-		return;
-	}
-	pw->w.wake = on_wake;
-	pw->c = c;
-	pw->req_id = r->id;
-	int rc = broker_wait(s->b, c->bc, wq->id, &pw->w, &state, error, &err);
-	if (rc < 0) {
-		free(pw);
-		reply_error(r, rc, err.msg);
-		return;
-	}
+	int rc = park_wait_start(c->h->park, &c->waits, c->bc, wq->id, r->id, wq->timeout_ms,
+				 wait_done, c, &state, error, &err);
 	if (rc == 1) {
-		free(pw);
+		metrics_answered(c->h->counters, r->opc, BB_OK);
 		wait_reply(c, r->id, state, error);
-		return;
+	} else if (rc == BB_ERR_TIMEOUT) {
+		metrics_answered(c->h->counters, r->opc, rc);
+		send_status(c, r->id, rc, err.msg);
+	} else if (rc < 0) {
+		reply_error(r, rc, err.msg);
+	} else {
+		parked_add(c, 1);
 	}
-	if (wq->timeout_ms == 0) {
-		broker_wait_cancel(s->b, &pw->w);
-		free(pw);
-		wait_status(c, r->id, BB_ERR_TIMEOUT, "the buffer is still pending");
-		return;
-	}
-	DL_APPEND(c->waits, pw);
-	c->inflight++;
-	if (wq->timeout_ms > 0) {
-		uv_timer_init(s->loop, &pw->timer);
-		pw->timer.data = pw;
-		pw->has_timer = true;
-		uv_timer_start(&pw->timer, on_wait_timeout, (uint64_t)wq->timeout_ms, 0);
-	}
-	conn_update(c);
 }
 
-void handler_drop_waits(conn *c)
+void handler_session_drop_parked(session *c)
 {
-	while (c->waits) {
-		parked_wait *pw = c->waits;
-		broker_wait_cancel(c->srv->b, &pw->w);
-		metrics_answered(&c->srv->counters, BUFBROKER__REQUEST__OP_WAIT, BB_ERR_DISCONNECTED);
-		wait_dispose(pw);
-	}
-	parked_alloc *pa, *tmp;
-	DL_FOREACH_SAFE(c->srv->allocs, pa, tmp)
-	{
-		if (pa->c != c)
-			continue;
-		DL_DELETE(c->srv->allocs, pa);
-		metrics_answered(&c->srv->counters, BUFBROKER__REQUEST__OP_ALLOC, BB_ERR_DISCONNECTED);
-		parked_alloc_free(pa);
+	park_waits_drop(c->h->park, &c->waits);
+	uint32_t n = park_allocs_drop(c->h->park, c);
+	for (uint32_t i = 0; i < n; i++) {
+		metrics_answered(c->h->counters, BUFBROKER__REQUEST__OP_ALLOC, BB_ERR_DISCONNECTED);
+		alloc_unparked(c);
 	}
 }
 
@@ -509,14 +506,14 @@ void handler_drop_waits(conn *c)
 
 static void do_stat(req_ctx *r, const Bufbroker__Stat *st)
 {
-	server *s = r->c->srv;
+	broker *b = r->c->h->b;
 	broker_error err;
 	broker_info info;
 	int rc;
 	if (st->target_case == BUFBROKER__STAT__TARGET_NAME)
-		rc = broker_stat_name(s->b, r->c->bc, st->name, &info, &err);
+		rc = broker_stat_name(b, r->c->bc, st->name, &info, &err);
 	else if (st->target_case == BUFBROKER__STAT__TARGET_ID)
-		rc = broker_stat_id(s->b, r->c->bc, st->id, &info, &err);
+		rc = broker_stat_id(b, r->c->bc, st->id, &info, &err);
 	else
 		rc = BB_ERR_INVALID, snprintf(err.msg, sizeof(err.msg), "Stat needs an id or a name");
 	if (rc) {
@@ -570,9 +567,9 @@ static int list_row(const broker_info *info, void *arg)
 
 static void do_list(req_ctx *r, const Bufbroker__List *l)
 {
-	server *s = r->c->srv;
-	list_acc a = {.after_id = l->after_id, .budget = s->cfg.max_datagram - 64};
-	broker_list(s->b, r->c->bc, list_row, &a);
+	broker *b = r->c->h->b;
+	list_acc a = {.after_id = l->after_id, .budget = r->c->h->max_datagram - 64};
+	broker_list(b, r->c->bc, list_row, &a);
 
 	Bufbroker__BufferInfo *infos = calloc(a.n ? a.n : 1, sizeof(*infos));
 	Bufbroker__BufferInfo **ptrs = calloc(a.n ? a.n : 1, sizeof(*ptrs));
@@ -602,9 +599,12 @@ static void do_list(req_ctx *r, const Bufbroker__List *l)
 
 static void do_server_status(req_ctx *r)
 {
-	server *s = r->c->srv;
-	broker_totals t;
-	broker_totals_get(s->b, &t);
+	status_snapshot snap;
+	if (status_take(r->c->h->src, &snap, false) < 0) {
+		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
+		return;
+	}
+	const broker_totals *t = &snap.totals;
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__ServerStatusReply ss = BUFBROKER__SERVER_STATUS_REPLY__INIT;
 	Bufbroker__KindTotals kt[2], *ktp[2];
@@ -612,46 +612,46 @@ static void do_server_status(req_ctx *r)
 		Bufbroker__KindTotals *x = &kt[k - 1];
 		bufbroker__kind_totals__init(x);
 		x->kind = (Bufbroker__Kind)k;
-		x->buffers = t.buffers[k];
-		x->bytes = t.bytes[k];
+		x->buffers = t->buffers[k];
+		x->bytes = t->bytes[k];
 		ktp[k - 1] = x;
 	}
 	ss.server_version = BB_VERSION_STRING;
 	ss.version_major = BB_PROTO_MAJOR;
 	ss.version_minor = BB_PROTO_MINOR;
-	ss.uptime_ms = uv_now(s->loop) - s->started_ms;
-	ss.connections = t.connections;
+	ss.uptime_ms = snap.uptime_ms;
+	ss.connections = t->connections;
 	ss.n_kinds = 2;
 	ss.kinds = ktp;
-	ss.tokens = t.tokens;
-	ss.waits = t.waits;
+	ss.tokens = t->tokens;
+	ss.waits = t->waits;
 	ss.pid = (uint32_t)getpid();
 
 	/* The devices, as many as a datagram holds (each row is < 200 bytes). */
-	enum { MAX_DEVICES = 64 };
-	backend_device devs[MAX_DEVICES];
-	Bufbroker__DeviceInfo di[MAX_DEVICES], *dip[MAX_DEVICES];
-	int n = s->cuda && s->cuda->devices ? s->cuda->devices(s->cuda, devs, MAX_DEVICES) : 0;
+	Bufbroker__DeviceInfo di[STATUS_DEVICES_MAX], *dip[STATUS_DEVICES_MAX];
+	int n = snap.n_devices;
 	for (int i = 0; i < n; i++) {
+		backend_device *d = &snap.devices[i];
 		bufbroker__device_info__init(&di[i]);
-		di[i].ordinal = devs[i].ordinal;
-		di[i].name = devs[i].name;
-		di[i].uuid.data = devs[i].uuid;
-		di[i].uuid.len = sizeof(devs[i].uuid);
-		di[i].total_bytes = devs[i].total;
-		di[i].free_bytes = devs[i].free;
-		di[i].used_bytes = devs[i].used;
-		di[i].reserved_bytes = devs[i].reserved;
-		di[i].limit_bytes = devs[i].limit;
+		di[i].ordinal = d->ordinal;
+		di[i].name = d->name;
+		di[i].uuid.data = d->uuid;
+		di[i].uuid.len = sizeof(d->uuid);
+		di[i].total_bytes = d->total;
+		di[i].free_bytes = d->free;
+		di[i].used_bytes = d->used;
+		di[i].reserved_bytes = d->reserved;
+		di[i].limit_bytes = d->limit;
 		dip[i] = &di[i];
 	}
 	ss.n_devices = (size_t)n;
 	ss.devices = dip;
-	ss.cuda = s->cuda_why;
+	ss.cuda = (char *)snap.cuda_why;
 
 	resp.result_case = BUFBROKER__RESPONSE__RESULT_SERVER_STATUS;
 	resp.server_status = &ss;
 	reply(r, &resp, -1);
+	status_release(&snap);
 }
 
 /* ---- admin --------------------------------------------------------------------- */
@@ -682,15 +682,15 @@ typedef struct client_row {
 
 static void do_clients(req_ctx *r, const Bufbroker__Clients *q)
 {
-	conn *me = r->c;
-	server *s = me->srv;
+	session *me = r->c;
+	handler *h = me->h;
 	/* Root sees every connection; others, their own uid's. */
 	bool all = me->uid == 0;
-	size_t n = 0, budget = s->cfg.max_datagram - 64;
+	size_t n = 0, budget = h->max_datagram - 64;
 	bool truncated = false;
-	conn *c;
+	session *c;
 
-	DL_FOREACH (s->conns, c)
+	DL_FOREACH (h->sessions, c)
 		n++;
 	client_row *rows = calloc(n ? n : 1, sizeof(*rows));
 	Bufbroker__ClientInfo **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
@@ -701,14 +701,14 @@ static void do_clients(req_ctx *r, const Bufbroker__Clients *q)
 		return;
 	}
 	n = 0;
-	/* The list is in connection-number order: conns are appended. */
-	DL_FOREACH (s->conns, c) {
-		if (!c->bc || c->doomed || c->serial <= q->after_serial ||
+	/* The list is in connection-number order: sessions are appended. */
+	DL_FOREACH (h->sessions, c) {
+		if (!c->bc || c->reply.closing(c->reply.ctx) || c->serial <= q->after_serial ||
 		    (!all && c->uid != me->uid))
 			continue;
 		client_row *row = &rows[n];
 		broker_conn_stats st;
-		broker_conn_stats_get(s->b, c->bc, &st);
+		broker_conn_stats_get(h->b, c->bc, &st);
 		proc_comm(c->pid, row->process, sizeof(row->process));
 		bufbroker__client_info__init(&row->ci);
 		row->ci.serial = c->serial;
@@ -759,17 +759,17 @@ static void report_line(char *report, size_t cap, const char *line)
 }
 
 /* Checks the broker cannot make itself: its totals against what each
- * backend holds, and its connection and wait counts against the server's.
+ * backend holds, and its connection and wait counts against the sessions'.
  * Appends a line per problem to report (cap bytes); returns how many. */
-static int check_edges(server *s, char *report, size_t cap)
+static int check_edges(handler *h, char *report, size_t cap)
 {
 	broker_totals t;
 	int problems = 0;
 	char line[256];
 
-	broker_totals_get(s->b, &t);
+	broker_totals_get(h->b, &t);
 	for (int k = BB_HOST; k <= BB_CUDA; k++) {
-		backend *be = k == BB_HOST ? s->host : s->cuda;
+		backend *be = k == BB_HOST ? h->src->host : h->src->cuda;
 		const char *kind = k == BB_HOST ? "host" : "cuda";
 		uint64_t n = 0, bytes = 0;
 		if (!be && (t.buffers[k] || t.bytes[k])) {
@@ -792,14 +792,12 @@ static int check_edges(server *s, char *report, size_t cap)
 		report_line(report, cap, line);
 	}
 	uint64_t conns = 0, waits = 0;
-	conn *c;
-	parked_wait *pw;
-	DL_FOREACH (s->conns, c) {
+	session *c;
+	DL_FOREACH (h->sessions, c) {
 		if (!c->bc)
 			continue;
 		conns++;
-		DL_FOREACH (c->waits, pw)
-			waits++;
+		waits += park_waits_count(&c->waits);
 	}
 	if (conns != t.connections || waits != t.waits) {
 		snprintf(line, sizeof(line),
@@ -812,10 +810,16 @@ static int check_edges(server *s, char *report, size_t cap)
 	return problems;
 }
 
+int handler_check(handler *h, char *report, size_t cap)
+{
+	int problems = broker_check(h->b, report, cap);
+	return problems + check_edges(h, report, cap);
+}
+
 static void do_check(req_ctx *r)
 {
-	conn *me = r->c;
-	server *s = me->srv;
+	session *me = r->c;
+	handler *h = me->h;
 	uint32_t daemon_uid = (uint32_t)geteuid();
 	char msg[128];
 
@@ -833,11 +837,10 @@ static void do_check(req_ctx *r)
 		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
 		return;
 	}
-	int problems = broker_check(s->b, report, CHECK_REPORT_MAX);
-	problems += check_edges(s, report, CHECK_REPORT_MAX);
+	int problems = handler_check(h, report, CHECK_REPORT_MAX);
 
 	broker_totals t;
-	broker_totals_get(s->b, &t);
+	broker_totals_get(h->b, &t);
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__CheckReply cr = BUFBROKER__CHECK_REPLY__INIT;
 	cr.problems = (uint32_t)problems;
@@ -848,7 +851,7 @@ static void do_check(req_ctx *r)
 	cr.connections = t.connections;
 	/* One string per line, as many as fit in the datagram; problems
 	 * still counts them all. */
-	size_t budget = s->cfg.max_datagram - 128;
+	size_t budget = h->max_datagram - 128;
 	char *save = NULL;
 	for (char *ln = strtok_r(report, "\n", &save); ln; ln = strtok_r(NULL, "\n", &save)) {
 		size_t need = strlen(ln) + 4;
@@ -898,7 +901,8 @@ static const char *op_name(Bufbroker__Request__OpCase op)
 	}
 }
 
-void handler_denied_message(const conn *c, char *buf, size_t len)
+/* The sentence that refuses a peer no allow-list admits, into buf. */
+static void denied_message(const session *c, char *buf, size_t len)
 {
 	snprintf(buf, len,
 		 "uid %u is not allowed to use this daemon (it is not on --allow-uids, and "
@@ -906,22 +910,7 @@ void handler_denied_message(const conn *c, char *buf, size_t len)
 		 c->uid, c->gid);
 }
 
-int handler_request_flat(conn *c, const unsigned char *data, size_t len, int fd)
-{
-	flat_refs_req fr;
-	/* Everything but a plain Retain or Release from a greeted, admitted
-	 * connection takes the general path, with its checks and messages. */
-	if (fd >= 0 || c->denied || !c->hello || !flat_refs_req_decode(data, len, &fr))
-		return 0;
-	bool retain = fr.op == FLAT_OP_RETAIN;
-	req_ctx r = {.c = c, .id = fr.id, .quiet = fr.no_reply};
-	r.opc = retain ? BUFBROKER__REQUEST__OP_RETAIN : BUFBROKER__REQUEST__OP_RELEASE;
-	r.op = op_name((Bufbroker__Request__OpCase)r.opc);
-	do_refs(&r, fr.buf_id, fr.count, retain);
-	return r.opc;
-}
-
-void handler_request(conn *c, const Bufbroker__Request *req, int fd)
+void handler_request(session *c, const Bufbroker__Request *req, int fd)
 {
 	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .op = op_name(req->op_case),
 		     .opc = req->op_case};
@@ -932,10 +921,10 @@ void handler_request(conn *c, const Bufbroker__Request *req, int fd)
 		char msg[160];
 		if (fd >= 0)
 			close(fd);
-		handler_denied_message(c, msg, sizeof(msg));
+		denied_message(c, msg, sizeof(msg));
 		r.quiet = false;
 		reply_error(&r, BB_ERR_DENIED, msg);
-		conn_doom(c, msg);
+		close_after(c, msg);
 		return;
 	}
 	if (fd >= 0 && req->op_case != BUFBROKER__REQUEST__OP_IMPORT_FD) {
@@ -949,7 +938,7 @@ void handler_request(conn *c, const Bufbroker__Request *req, int fd)
 			close(fd);
 		r.quiet = false;
 		reply_error(&r, BB_ERR_PROTOCOL, "the first request must be Hello");
-		conn_doom(c, "request before Hello");
+		close_after(c, "request before Hello");
 		return;
 	}
 
@@ -1020,4 +1009,102 @@ void handler_request(conn *c, const Bufbroker__Request *req, int fd)
 		reply_error(&r, BB_ERR_PROTOCOL, "unknown or missing op");
 		break;
 	}
+}
+
+/* ---- sessions ------------------------------------------------------------------ */
+
+session *handler_session_open(handler *h, uint64_t serial, uint32_t uid, uint32_t gid,
+			      uint32_t pid, bool denied, const handler_reply *reply)
+{
+	session *c = calloc(1, sizeof(*c));
+	if (!c)
+		return NULL;
+	c->h = h;
+	c->reply = *reply;
+	c->serial = serial;
+	c->uid = uid;
+	c->gid = gid;
+	c->pid = pid;
+	DL_APPEND(h->sessions, c);
+	if (denied) {
+		/* Refused at its Hello, so that the client learns why; until
+		 * then it holds no broker connection (it cannot take a slot
+		 * from the peers the lists admit), and only so many wait. */
+		char msg[160];
+		c->denied = true;
+		h->denied_pending++;
+		metrics_refused(h->counters, METRICS_LIMIT_ALLOW_LIST);
+		denied_message(c, msg, sizeof(msg));
+		log_warn("event=connection_denied conn=%llu uid=%u gid=%u pid=%u error=\"%s\"",
+			 (unsigned long long)serial, uid, gid, pid, msg);
+		if (h->denied_pending > HANDLER_DENIED_PENDING_MAX) {
+			send_status(c, 0, BB_ERR_DENIED, msg);
+			close_after(c, msg);
+		}
+		return c;
+	}
+	broker_error err;
+	c->bc = broker_conn_open(h->b, uid, gid, pid, &err);
+	if (!c->bc) {
+		log_warn("event=connection_refused conn=%llu uid=%u pid=%u error=\"%s\"",
+			 (unsigned long long)serial, uid, pid, err.msg);
+		send_status(c, 0, BB_ERR_NO_MEMORY, err.msg);
+		close_after(c, err.msg);
+		return c;
+	}
+	log_info("event=connection_opened conn=%llu uid=%u gid=%u pid=%u",
+		 (unsigned long long)serial, uid, gid, pid);
+	return c;
+}
+
+void handler_session_close(session *c, const char *why)
+{
+	handler *h = c->h;
+	if (c->denied)
+		h->denied_pending--;
+	handler_session_drop_parked(c);
+	if (c->bc) {
+		uint64_t buffers, bytes;
+		broker_conn_holdings(c->bc, &buffers, &bytes);
+		broker_conn_close(h->b, c->bc);
+		c->bc = NULL;
+		log_info("event=connection_closed conn=%llu uid=%u pid=%u client=\"%s\" released_buffers=%llu "
+			 "released_bytes=%llu reason=\"%s\"",
+			 (unsigned long long)c->serial, c->uid, c->pid, c->name,
+			 (unsigned long long)buffers, (unsigned long long)bytes,
+			 why && why[0] ? why : "daemon stopping");
+		tokens_changed(h);
+	}
+	DL_DELETE(h->sessions, c);
+	free(c);
+}
+
+/* ---- the layer ----------------------------------------------------------------- */
+
+handler *handler_new(uv_loop_t *loop, const status_sources *src, park *park,
+		     metrics_counters *counters, uint32_t max_datagram)
+{
+	handler *h = calloc(1, sizeof(*h));
+	if (!h)
+		return NULL;
+	h->loop = loop;
+	h->src = src;
+	h->b = src->b;
+	h->park = park;
+	h->counters = counters;
+	h->max_datagram = max_datagram;
+	uv_timer_init(loop, &h->token_timer);
+	h->token_timer.data = h;
+	return h;
+}
+
+void handler_stop(handler *h)
+{
+	h->stopping = true;
+	uv_timer_stop(&h->token_timer);
+}
+
+void handler_free(handler *h)
+{
+	free(h);
 }

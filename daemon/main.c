@@ -12,7 +12,6 @@
 
 #include "config.h"
 #include "log.h"
-#include "metrics.h"
 #include "server.h"
 #include "wire.h"
 
@@ -122,7 +121,7 @@ static struct {
 	config_flag *flags; /* the flags that set keys, in order */
 	size_t nflags;
 	config running; /* the settings in effect */
-	server s;
+	server *s;
 	uv_signal_t sighup;
 } d;
 
@@ -166,7 +165,7 @@ static void on_sighup(uv_signal_t *h, int signum)
 			  n);
 	} else {
 		size_t applied = config_apply_live(&d.running, &fresh);
-		server_reload(&d.s, &d.running.server);
+		server_reload(d.s, &d.running.server);
 		log_info("event=config_reloaded file=\"%s\" applied=%zu", file, applied);
 		log_set_level(d.running.log_level);
 		config_log_warnings(&d.running);
@@ -283,15 +282,14 @@ int main(int argc, char **argv)
 		 access(d.file, F_OK) == 0 ? "yes" : "no");
 	if (server_start(&d.s, &loop, &d.running.server) < 0) {
 		rc = 1;
-	} else if (d.running.metrics_listen && metrics_start(&d.s, d.running.metrics_listen) < 0) {
+	} else if (d.running.metrics_listen && server_metrics_start(d.s, d.running.metrics_listen) < 0) {
 		rc = 1; /* asked for metrics and cannot serve them: the log says why */
 	} else {
 		uv_signal_init(&loop, &d.sighup);
 		uv_signal_start(&d.sighup, on_sighup, SIGHUP);
 		uv_run(&loop, UV_RUN_DEFAULT);
 	}
-	metrics_stop(&d.s);
-	server_shutdown(&d.s);
+	server_shutdown(d.s);
 	uv_loop_close(&loop);
 	if (rc == 0)
 		log_info("event=stopped");

@@ -20,18 +20,19 @@
 #include <unistd.h>
 
 #include <microhttpd.h>
-#include <utlist.h>
 
-#include "cuda_api.h"
-#include "log.h"
 #include "metrics.h"
-#include "server.h"
+
+#include "bufbroker.pb-c.h"
+#include "cuda_api.h"
+#include "handler.h" /* handler_status_name: goes with the common status table */
+#include "log.h"
+#include "status.h"
 #include "wire.h"
 
 #define CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 #define HTTP_CONNECTIONS_MAX 32 /* concurrent scrapers; more wait in the backlog */
 #define HTTP_TIMEOUT_S 10       /* an idle HTTP connection is closed after this */
-#define DEVICES_MAX 64
 
 /* Latency bucket bounds, in ns and as the le label writes them. */
 static const uint64_t bucket_ns[METRICS_BUCKETS] = {
@@ -120,22 +121,19 @@ static const char *kind_label(int kind)
 	return kind == BB_HOST ? "host" : "cuda";
 }
 
-typedef struct uid_ctx {
-	FILE *f;
-	bool bytes; /* bufbroker_uid_bytes, else bufbroker_uid_buffers */
-} uid_ctx;
-
-static void uid_row(uint32_t uid, uint64_t buffers, const uint64_t bytes[BROKER_KINDS], void *arg)
+/* The per-uid families. */
+static void render_uids(FILE *f, const status_snapshot *snap)
 {
-	uid_ctx *u = arg;
-	if (!u->bytes) {
-		fprintf(u->f, "bufbroker_uid_buffers{uid=\"%" PRIu32 "\"} %" PRIu64 "\n", uid,
-			buffers);
-		return;
-	}
-	for (int k = BB_HOST; k <= BB_CUDA; k++)
-		fprintf(u->f, "bufbroker_uid_bytes{uid=\"%" PRIu32 "\",kind=\"%s\"} %" PRIu64 "\n",
-			uid, kind_label(k), bytes[k]);
+	family(f, "bufbroker_uid_buffers", "gauge", "Live buffers, by owner uid.");
+	for (size_t i = 0; i < snap->n_uids; i++)
+		fprintf(f, "bufbroker_uid_buffers{uid=\"%" PRIu32 "\"} %" PRIu64 "\n",
+			snap->uids[i].uid, snap->uids[i].buffers);
+	family(f, "bufbroker_uid_bytes", "gauge", "Bytes of live buffers, by owner uid and kind.");
+	for (size_t i = 0; i < snap->n_uids; i++)
+		for (int k = BB_HOST; k <= BB_CUDA; k++)
+			fprintf(f,
+				"bufbroker_uid_bytes{uid=\"%" PRIu32 "\",kind=\"%s\"} %" PRIu64 "\n",
+				snap->uids[i].uid, kind_label(k), snap->uids[i].bytes[k]);
 }
 
 /* The per-device gauges. */
@@ -206,16 +204,16 @@ static void render_requests(FILE *f, const metrics_counters *mc)
 	}
 }
 
-/* The whole exposition, malloc'ed into *out (*len bytes). 0 or -1. */
-static int render(server *s, char **out, size_t *len)
+/* The whole exposition of snap, malloc'ed into *out (*len bytes). 0 or -1. */
+static int render_snapshot(const status_snapshot *snap, char **out, size_t *len)
 {
-	broker_totals t;
-	backend_device devs[DEVICES_MAX];
+	const broker_totals t = snap->totals;
+	const backend_device *devs = snap->devices;
+	const metrics_counters *mc = snap->counters;
+	int ndev = snap->n_devices;
 	FILE *f = open_memstream(out, len);
 	if (!f)
 		return -1;
-	broker_totals_get(s->b, &t);
-	int ndev = s->cuda && s->cuda->devices ? s->cuda->devices(s->cuda, devs, DEVICES_MAX) : 0;
 
 	family(f, "bufbroker_build_info", "gauge", "The daemon's version and protocol; always 1.");
 	fprintf(f, "bufbroker_build_info{version=\"");
@@ -223,7 +221,7 @@ static int render(server *s, char **out, size_t *len)
 	fprintf(f, "\",protocol=\"%d.%d\"} 1\n", BB_PROTO_MAJOR, BB_PROTO_MINOR);
 	family(f, "bufbroker_uptime_seconds", "gauge", "Seconds since the daemon started serving.");
 	fprintf(f, "bufbroker_uptime_seconds %.3f\n",
-		(double)(uv_now(s->loop) - s->started_ms) / 1000.0);
+		(double)snap->uptime_ms / 1000.0);
 
 	family(f, "bufbroker_connections", "gauge", "Open client connections.");
 	fprintf(f, "bufbroker_connections %" PRIu32 "\n", t.connections);
@@ -240,14 +238,10 @@ static int render(server *s, char **out, size_t *len)
 	fprintf(f, "bufbroker_tokens %" PRIu64 "\n", t.tokens);
 	family(f, "bufbroker_parked_waits", "gauge", "Wait requests parked on pending buffers.");
 	fprintf(f, "bufbroker_parked_waits %" PRIu64 "\n", t.waits);
-	size_t parked = 0;
-	const parked_alloc *pa;
-	DL_COUNT(s->allocs, pa, parked);
 	family(f, "bufbroker_parked_allocs", "gauge",
 	       "Alloc requests waiting for the backend to make device memory.");
-	fprintf(f, "bufbroker_parked_allocs %zu\n", parked);
-	backend_host_pool_stats ps;
-	backend_host_pool_info(s->host, &ps);
+	fprintf(f, "bufbroker_parked_allocs %" PRIu64 "\n", snap->parked_allocs);
+	const backend_host_pool_stats ps = snap->pool;
 	family(f, "bufbroker_host_pooled_memfds", "gauge",
 	       "Memfds of freed host buffers kept, empty, for reuse.");
 	fprintf(f, "bufbroker_host_pooled_memfds %" PRIu64 "\n", ps.pooled);
@@ -256,12 +250,7 @@ static int render(server *s, char **out, size_t *len)
 	fprintf(f, "bufbroker_host_memfds_total{source=\"new\"} %" PRIu64 "\n", ps.created);
 	fprintf(f, "bufbroker_host_memfds_total{source=\"reused\"} %" PRIu64 "\n", ps.reused);
 
-	uid_ctx u = {.f = f, .bytes = false};
-	family(f, "bufbroker_uid_buffers", "gauge", "Live buffers, by owner uid.");
-	broker_uid_usage(s->b, uid_row, &u);
-	u.bytes = true;
-	family(f, "bufbroker_uid_bytes", "gauge", "Bytes of live buffers, by owner uid and kind.");
-	broker_uid_usage(s->b, uid_row, &u);
+	render_uids(f, snap);
 
 	device_family(f, devs, ndev, "bufbroker_device_total_bytes", "The device's memory.",
 		      DEV_TOTAL);
@@ -277,7 +266,7 @@ static int render(server *s, char **out, size_t *len)
 		      "The most device memory the daemon may hold (--cuda-device-bytes).",
 		      DEV_LIMIT);
 
-	render_requests(f, &s->counters);
+	render_requests(f, mc);
 
 	family(f, "bufbroker_refused_total", "counter",
 	       "Requests (and connections) refused by a limit, by limit.");
@@ -289,13 +278,13 @@ static int render(server *s, char **out, size_t *len)
 		device_refused += devs[i].refused;
 	fprintf(f, "bufbroker_refused_total{limit=\"device_bytes\"} %llu\n", device_refused);
 	fprintf(f, "bufbroker_refused_total{limit=\"queue_bytes\"} %" PRIu64 "\n",
-		s->counters.refused[METRICS_LIMIT_QUEUE_BYTES]);
+		mc->refused[METRICS_LIMIT_QUEUE_BYTES]);
 	fprintf(f, "bufbroker_refused_total{limit=\"send_timeout\"} %" PRIu64 "\n",
-		s->counters.refused[METRICS_LIMIT_SEND_TIMEOUT]);
+		mc->refused[METRICS_LIMIT_SEND_TIMEOUT]);
 	fprintf(f, "bufbroker_refused_total{limit=\"conn_inflight\"} %" PRIu64 "\n",
-		s->counters.refused[METRICS_LIMIT_CONN_INFLIGHT]);
+		mc->refused[METRICS_LIMIT_CONN_INFLIGHT]);
 	fprintf(f, "bufbroker_refused_total{limit=\"allow_list\"} %" PRIu64 "\n",
-		s->counters.refused[METRICS_LIMIT_ALLOW_LIST]);
+		mc->refused[METRICS_LIMIT_ALLOW_LIST]);
 
 	if (ferror(f)) {
 		fclose(f);
@@ -306,10 +295,21 @@ static int render(server *s, char **out, size_t *len)
 	return fclose(f) == 0 ? 0 : -1;
 }
 
+/* A snapshot of src, rendered. 0 or -1. */
+static int render(const status_sources *src, char **out, size_t *len)
+{
+	status_snapshot snap;
+	if (status_take(src, &snap, true) < 0)
+		return -1;
+	int rc = render_snapshot(&snap, out, len);
+	status_release(&snap);
+	return rc;
+}
+
 /* ---- the endpoint ------------------------------------------------------------------- */
 
 struct metrics_endpoint {
-	server *s;              /* read on the loop thread only */
+	const status_sources *src; /* read on the loop thread only */
 	struct MHD_Daemon *mhd; /* the HTTP server and its thread */
 	uv_async_t async;       /* a scrape asks the loop for a snapshot */
 	char addr[64];          /* what it listens on, for logs */
@@ -334,7 +334,7 @@ static void on_async(uv_async_t *h)
 	pthread_mutex_unlock(&ep->mu);
 	if (done)
 		return;
-	if (render(ep->s, &text, &len) < 0)
+	if (render(ep->src, &text, &len) < 0)
 		log_warn("event=metrics_render_failed error=\"out of memory\"");
 	pthread_mutex_lock(&ep->mu);
 	free(ep->text);
@@ -551,7 +551,8 @@ static void on_async_closed(uv_handle_t *h)
 	endpoint_free(h->data);
 }
 
-int metrics_start(server *s, const char *listen_addr)
+metrics_endpoint *metrics_start(uv_loop_t *loop, const status_sources *src,
+				const char *listen_addr)
 {
 	char why[160];
 	pthread_condattr_t ca;
@@ -560,9 +561,9 @@ int metrics_start(server *s, const char *listen_addr)
 	if (!ep) {
 		log_error("event=metrics_failed listen=\"%s\" error=\"out of memory\"",
 			  listen_addr);
-		return -1;
+		return NULL;
 	}
-	ep->s = s;
+	ep->src = src;
 	pthread_mutex_init(&ep->mu, NULL);
 	pthread_condattr_init(&ca);
 	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -572,7 +573,7 @@ int metrics_start(server *s, const char *listen_addr)
 	int fd = listen_tcp(listen_addr, ep->addr, sizeof(ep->addr), why, sizeof(why));
 	if (fd < 0)
 		goto err_free;
-	if (uv_async_init(s->loop, &ep->async, on_async) < 0) {
+	if (uv_async_init(loop, &ep->async, on_async) < 0) {
 		snprintf(why, sizeof(why), "cannot create the loop's wake-up handle");
 		close(fd);
 		goto err_free;
@@ -595,24 +596,21 @@ int metrics_start(server *s, const char *listen_addr)
 		snprintf(why, sizeof(why), "libmicrohttpd could not start");
 		uv_close((uv_handle_t *)&ep->async, on_async_closed);
 		log_error("event=metrics_failed listen=\"%s\" error=\"%s\"", listen_addr, why);
-		return -1;
+		return NULL;
 	}
-	s->metrics = ep;
 	log_info("event=metrics_listening address=%s path=/metrics", ep->addr);
-	return 0;
+	return ep;
 
 err_free:
 	endpoint_free(ep);
 	log_error("event=metrics_failed listen=\"%s\" error=\"%s\"", listen_addr, why);
-	return -1;
+	return NULL;
 }
 
-void metrics_stop(server *s)
+void metrics_stop(metrics_endpoint *ep)
 {
-	metrics_endpoint *ep = s->metrics;
 	if (!ep)
 		return;
-	s->metrics = NULL;
 	pthread_mutex_lock(&ep->mu);
 	ep->stopping = true;
 	pthread_cond_broadcast(&ep->cv);

@@ -14,9 +14,10 @@
 #define BB_METRICS_H
 
 #include <stdint.h>
+#include <uv.h>
 
-typedef struct server server;
 typedef struct metrics_endpoint metrics_endpoint;
+typedef struct status_sources status_sources; /* status.h */
 
 #define METRICS_OPS 64      /* Request.op_case values counted; larger ones count as 0 */
 #define METRICS_STATUSES 14 /* BB_OK .. BB_ERR_SYSTEM (0 .. -12), then "other" */
@@ -54,15 +55,17 @@ void metrics_refused(metrics_counters *mc, metrics_limit limit);
 
 /* Serve GET /metrics on listen_addr: "IPV4:PORT", "[IPV6]:PORT" or
  * "localhost:PORT" (an address literal: no name lookup); port 0 takes a free
- * one. The address and port bound are logged (event=metrics_listening).
- * Call on the loop thread after server_start. 0, or -1 with the reason
- * logged (event=metrics_failed: a bad address, a port in use, ...); the
- * daemon serves on without metrics only if the caller chooses to. */
-int metrics_start(server *s, const char *listen_addr);
+ * one. Each scrape renders a snapshot of src (status.h) on loop's thread;
+ * src must outlive the endpoint. The address and port bound are logged
+ * (event=metrics_listening). Call on the loop thread. The endpoint, or
+ * NULL with the reason logged (event=metrics_failed: a bad address, a port
+ * in use, ...); the daemon serves on without metrics only if the caller
+ * chooses to. */
+metrics_endpoint *metrics_start(uv_loop_t *loop, const status_sources *src,
+				const char *listen_addr);
 /* Stop the endpoint: scrapes waiting for the loop get 503 at once, the HTTP
- * thread is joined and the listening socket closed. Call on the loop thread
- * before server_shutdown, whose loop run frees what is left; a no-op when
- * the endpoint is not running (server_shutdown calls it too). */
-void metrics_stop(server *s);
+ * thread is joined and the listening socket closed; the loop's next run
+ * frees what is left. Call on the loop thread; NULL is a no-op. */
+void metrics_stop(metrics_endpoint *ep);
 
 #endif /* BB_METRICS_H */

@@ -1,8 +1,12 @@
 /*
  * Listen and accept: the SOCK_SEQPACKET socket (our own, or the one
- * systemd passed), the token-expiry timer, the reaper that closes doomed
- * connections after each loop turn, and clean shutdown on SIGTERM/SIGINT.
+ * systemd passed); the layers, from the transport down, set up and torn
+ * down in order; the reaper that closes doomed connections after each loop
+ * turn; the send-timeout sweep; backend jobs; clean shutdown on
+ * SIGTERM/SIGINT.
  */
+#include "server.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -17,17 +21,45 @@
 #include <systemd/sd-daemon.h>
 #include <utlist.h>
 
+#include "codec.h"
+#include "conn.h"
 #include "cuda_api.h"
+#include "handler.h"
 #include "log.h"
-#include "server.h"
+#include "metrics.h"
+#include "park.h"
+#include "status.h"
 #include "wire.h"
 
 #ifndef SO_PEERGROUPS
 #define SO_PEERGROUPS 59 /* Linux 4.13; older kernels answer ENOPROTOOPT */
 #endif
 
-conn *conn_start(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid);
-void conn_close(conn *c);
+struct server {
+	uv_loop_t *loop;          /* the loop everything runs on */
+	server_config cfg;        /* as given (reload changes the live part) */
+	broker *b;                /* the state machine */
+	backend *host;            /* host backend */
+	backend *cuda;            /* CUDA backend, or NULL (cuda_why says why) */
+	char cuda_why[256];       /* why CUDA is not served; "" when it is */
+	park *park;               /* parked waits and allocs */
+	handler *h;               /* the request layer */
+	codec *codec;             /* the wire */
+	conn_env conns;           /* the transport: every connection */
+	status_sources src;       /* what the snapshot reads */
+	metrics_counters counters; /* requests, latency, refusals (metrics.h) */
+	metrics_endpoint *metrics; /* the HTTP endpoint, or NULL */
+	uint32_t jobs;            /* backend jobs in flight */
+	bool retry_allocs;        /* a job ran inline: retry parked allocs after this turn */
+	int listen_fd;            /* listening socket */
+	bool own_socket_file;     /* we bound it (so we unlink it on exit) */
+	uv_poll_t listen_poll;    /* accept readiness */
+	uv_timer_t send_timer;    /* while output is queued: the send-timeout sweep */
+	uv_check_t reaper;        /* after each turn: close doomed conns, retry_allocs */
+	uv_idle_t reap_soon;      /* active while conns are doomed: the turn does not block */
+	uv_signal_t sigterm, sigint; /* clean shutdown */
+	bool stopping;            /* shutdown begun */
+};
 
 /* mkdir -p for the socket's parent directory. */
 static int make_parents(const char *path)
@@ -224,38 +256,10 @@ static bool peer_allowed(server *s, int fd, uint32_t uid, uint32_t gid)
 
 int server_add_conn(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
 {
-	conn *c = conn_start(s, fd, uid, gid, pid);
-	if (!c)
-		return -1;
-	if (!peer_allowed(s, fd, uid, gid)) {
-		/* Refused at its Hello, so that the client learns why; until
-		 * then it holds no broker connection (it cannot take a slot
-		 * from the peers the lists admit), and only so many wait. */
-		char msg[160];
-		c->denied = true;
-		s->denied_pending++;
-		metrics_refused(&s->counters, METRICS_LIMIT_ALLOW_LIST);
-		handler_denied_message(c, msg, sizeof(msg));
-		log_warn("event=connection_denied conn=%llu uid=%u gid=%u pid=%u error=\"%s\"",
-			 (unsigned long long)c->serial, c->uid, c->gid, c->pid, msg);
-		if (s->denied_pending > SERVER_DENIED_PENDING_MAX) {
-			conn_send_status(c, 0, BB_ERR_DENIED, msg);
-			conn_doom(c, msg);
-		}
-		return 0;
-	}
-	broker_error err;
-	c->bc = broker_conn_open(s->b, uid, gid, pid, &err);
-	if (!c->bc) {
-		log_warn("event=connection_refused conn=%llu uid=%u pid=%u error=\"%s\"",
-			 (unsigned long long)c->serial, c->uid, c->pid, err.msg);
-		conn_send_status(c, 0, BB_ERR_NO_MEMORY, err.msg);
-		conn_doom(c, err.msg);
-		return 0;
-	}
-	log_info("event=connection_opened conn=%llu uid=%u gid=%u pid=%u",
-		 (unsigned long long)c->serial, c->uid, c->gid, c->pid);
-	return 0;
+	/* The allow-lists are the server's: supplementary groups are read
+	 * from the socket. The request layer refuses a denied peer. */
+	bool denied = !peer_allowed(s, fd, uid, gid);
+	return conn_start(&s->conns, fd, uid, gid, pid, denied) ? 0 : -1;
 }
 
 static void on_accept(uv_poll_t *p, int status, int events)
@@ -289,14 +293,6 @@ static void on_accept(uv_poll_t *p, int status, int events)
 	}
 }
 
-static void on_token_timer(uv_timer_t *t)
-{
-	server *s = t->data;
-	uint64_t next = broker_expire_tokens(s->b);
-	if (next != UINT64_MAX)
-		uv_timer_start(&s->token_timer, on_token_timer, next, 0);
-}
-
 /* The send-timeout sweep: close each connection whose queued output has
  * not moved for send_timeout_ms (its client stopped reading; backpressure
  * keeps its queue short, so the queue limit alone would never close it),
@@ -304,54 +300,19 @@ static void on_token_timer(uv_timer_t *t)
 static void on_send_timer(uv_timer_t *t)
 {
 	server *s = t->data;
-	uint64_t now = uv_now(s->loop), limit = s->cfg.send_timeout_ms, next = UINT64_MAX;
-	conn *c;
-	DL_FOREACH (s->conns, c) {
-		if (!c->out_head || c->doomed || c->closed)
-			continue;
-		uint64_t still = now - c->out_moved_ms;
-		if (still < limit) {
-			if (limit - still < next)
-				next = limit - still;
-			continue;
-		}
-		char why[192];
-		log_warn("event=send_timeout conn=%llu uid=%u pid=%u queued=%llu stalled_ms=%llu "
-			 "limit_ms=%llu",
-			 (unsigned long long)c->serial, c->uid, c->pid,
-			 (unsigned long long)c->out_bytes, (unsigned long long)still,
-			 (unsigned long long)limit);
-		metrics_refused(&s->counters, METRICS_LIMIT_SEND_TIMEOUT);
-		snprintf(why, sizeof(why),
-			 "client read none of its %llu bytes of queued responses for %llu ms; the "
-			 "limit is %llu ms (--send-timeout)",
-			 (unsigned long long)c->out_bytes, (unsigned long long)still,
-			 (unsigned long long)limit);
-		conn_doom(c, why);
-	}
+	uint64_t next = conn_sweep_stalled(&s->conns, uv_now(s->loop));
 	if (next != UINT64_MAX)
 		uv_timer_start(&s->send_timer, on_send_timer, next, 0);
 }
 
-void server_output_queued(server *s)
+/* A connection's output queue just started: make sure the send-timeout
+ * sweep runs (conn_env's output_queued). */
+static void output_queued(void *ctx)
 {
+	server *s = ctx;
 	if (s->stopping || uv_is_active((uv_handle_t *)&s->send_timer))
 		return;
 	uv_timer_start(&s->send_timer, on_send_timer, s->cfg.send_timeout_ms, 0);
-}
-
-void server_tokens_changed(server *s)
-{
-	if (s->stopping)
-		return;
-	/* Tokens expire oldest first; the timer only needs to track the
-	 * oldest. Recompute from the broker, which also expires overdue ones. */
-	uint64_t next = broker_expire_tokens(s->b);
-	if (next == UINT64_MAX)
-		uv_timer_stop(&s->token_timer);
-	else if (!uv_is_active((uv_handle_t *)&s->token_timer) ||
-		 uv_timer_get_due_in(&s->token_timer) > next)
-		uv_timer_start(&s->token_timer, on_token_timer, next, 0);
 }
 
 static void on_reap_soon(uv_idle_t *h)
@@ -359,8 +320,12 @@ static void on_reap_soon(uv_idle_t *h)
 	(void)h; /* being active is its whole job: the loop polls without blocking */
 }
 
-void server_reap_soon(server *s)
+/* A connection was doomed (conn_env's reap_soon): the reaper closes it
+ * this loop turn, even when no I/O would wake the loop (a doom from a
+ * timer callback). */
+static void reap_soon(void *ctx)
 {
+	server *s = ctx;
 	if (!s->stopping && !uv_is_active((uv_handle_t *)&s->reap_soon))
 		uv_idle_start(&s->reap_soon, on_reap_soon);
 }
@@ -371,13 +336,11 @@ static void on_reap(uv_check_t *h)
 	uv_idle_stop(&s->reap_soon);
 	if (s->retry_allocs) {
 		s->retry_allocs = false;
-		handler_retry_allocs(s);
+		handler_retry_allocs(s->h);
 	}
-	while (s->doomed) {
-		conn *c = s->doomed;
-		s->doomed = c->doomed_next;
+	conn *c;
+	while ((c = conn_next_doomed(&s->conns)))
 		conn_close(c);
-	}
 }
 
 static void on_signal(uv_signal_t *h, int signum)
@@ -413,7 +376,7 @@ static void job_after(uv_work_t *req, int status)
 	s->jobs--;
 	job->done(job);
 	/* The memory a parked alloc waited for may be there now. */
-	handler_retry_allocs(s);
+	handler_retry_allocs(s->h);
 }
 
 static void server_submit(backend *be, backend_job *job)
@@ -476,34 +439,72 @@ static void start_cuda(server *s)
 	}
 }
 
-/* What server_start and server_start_detached share: the broker, the
- * backends, the buffers, the token timer and the reaper. */
-static int server_init(server *s, uv_loop_t *loop, const server_config *cfg)
+/* The transport's limits in cfg. */
+static conn_limits limits_of(const server_config *cfg)
 {
-	memset(s, 0, sizeof(*s));
+	return (conn_limits){
+		.max_datagram = cfg->max_datagram,
+		.queue_bytes = cfg->queue_bytes,
+		.send_timeout_ms = cfg->send_timeout_ms,
+		.conn_inflight = cfg->conn_inflight,
+	};
+}
+
+/* What server_start and server_start_detached share: the layers from the
+ * backends up to the transport, the timers and the reaper. *out is set
+ * once s is allocated. */
+static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
+{
+	server *s = calloc(1, sizeof(*s));
+	*out = s;
+	if (!s) {
+		log_error("event=start_failed error=\"out of memory\"");
+		return -1;
+	}
 	s->loop = loop;
 	s->cfg = *cfg;
 	s->listen_fd = -1;
-	s->rbuf = malloc(CONN_READ_BATCH * ((size_t)cfg->max_datagram + 1));
-	s->sbuf = malloc(cfg->max_datagram);
-	s->abuf = malloc(SERVER_ARENA_BYTES);
-	if (s->abuf)
-		bb_arena_init(&s->arena, s->abuf, SERVER_ARENA_BYTES);
 	broker_config bc = {.limits = cfg->limits};
 	s->b = broker_new(&bc);
 	s->host = backend_host_new();
-	if (!s->rbuf || !s->sbuf || !s->abuf || !s->b || !s->host) {
+	if (!s->b || !s->host) {
 		log_error("event=start_failed error=\"out of memory\"");
 		return -1;
 	}
 	broker_set_backend(s->b, BB_HOST, s->host, NULL);
-	/* Safe because grant() reports cross-uid sends (backend_host_exposed);
-	 * on failure pooling stays off. */
+	/* Safe because the broker's grant reports cross-uid sends to the
+	 * backend (its expose); on failure pooling stays off. */
 	backend_host_pool(s->host, BACKEND_HOST_POOL_DEFAULT, BACKEND_HOST_POOL_PER_CLASS_DEFAULT);
 	start_cuda(s);
 
-	uv_timer_init(loop, &s->token_timer);
-	s->token_timer.data = s;
+	s->park = park_new(loop, s->b);
+	s->src = (status_sources){
+		.loop = loop,
+		.started_ms = uv_now(loop),
+		.b = s->b,
+		.host = s->host,
+		.cuda = s->cuda,
+		.cuda_why = s->cuda_why,
+		.park = s->park,
+		.counters = &s->counters,
+	};
+	s->h = s->park ? handler_new(loop, &s->src, s->park, &s->counters, cfg->max_datagram) : NULL;
+	s->codec = codec_new(cfg->max_datagram);
+	s->conns = (conn_env){
+		.loop = loop,
+		.limits = limits_of(cfg),
+		.codec = s->codec,
+		.h = s->h,
+		.counters = &s->counters,
+		.reap_soon = reap_soon,
+		.output_queued = output_queued,
+		.ctx = s,
+	};
+	if (!s->park || !s->h || !s->codec || conn_env_init(&s->conns) < 0) {
+		log_error("event=start_failed error=\"out of memory\"");
+		return -1;
+	}
+
 	uv_timer_init(loop, &s->send_timer);
 	s->send_timer.data = s;
 	uv_check_init(loop, &s->reaper);
@@ -511,14 +512,14 @@ static int server_init(server *s, uv_loop_t *loop, const server_config *cfg)
 	uv_check_start(&s->reaper, on_reap);
 	uv_idle_init(loop, &s->reap_soon);
 	s->reap_soon.data = s;
-	s->started_ms = uv_now(loop);
 	return 0;
 }
 
-int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
+int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 {
-	if (server_init(s, loop, cfg) < 0)
+	if (server_init(out, loop, cfg) < 0)
 		return -1;
+	server *s = *out;
 	int passed = take_passed_socket(s);
 	if (passed < 0)
 		return -1;
@@ -541,9 +542,15 @@ int server_start(server *s, uv_loop_t *loop, const server_config *cfg)
 	return 0;
 }
 
-int server_start_detached(server *s, uv_loop_t *loop, const server_config *cfg)
+int server_start_detached(server **out, uv_loop_t *loop, const server_config *cfg)
 {
-	return server_init(s, loop, cfg);
+	return server_init(out, loop, cfg);
+}
+
+int server_metrics_start(server *s, const char *listen_addr)
+{
+	s->metrics = metrics_start(s->loop, &s->src, listen_addr);
+	return s->metrics ? 0 : -1;
 }
 
 void server_reload(server *s, const server_config *cfg)
@@ -555,9 +562,11 @@ void server_reload(server *s, const server_config *cfg)
 	s->cfg.allow_uids = cfg->allow_uids;
 	s->cfg.allow_gids = cfg->allow_gids;
 	broker_set_limits(s->b, &cfg->limits);
+	conn_limits lim = limits_of(&s->cfg);
+	lim.max_datagram = s->conns.limits.max_datagram;
+	s->conns.limits = lim;
 	/* A connection paused at the old in-flight limit may read again. */
-	for (conn *c = s->conns; c; c = c->next)
-		conn_update(c);
+	conn_update_all(&s->conns);
 }
 
 static void close_walk(uv_handle_t *h, void *arg)
@@ -569,23 +578,19 @@ static void close_walk(uv_handle_t *h, void *arg)
 
 void server_shutdown(server *s)
 {
+	if (!s)
+		return;
 	/* Its thread reads nothing of ours, but it asks the loop for
 	 * snapshots: stop it before the loop's handles close. */
-	metrics_stop(s);
+	metrics_stop(s->metrics);
+	s->metrics = NULL;
 	s->stopping = true;
 	sd_notify(0, "STOPPING=1");
+	if (s->h)
+		handler_stop(s->h);
 	if (s->loop) {
-		/* Nothing is sent while stopping: parked waits are dropped and
-		 * every connection is silenced before any closes, so that a
-		 * waiter learns that the daemon went (end of stream), not that
-		 * its producer did, which depends only on the close order. */
-		for (conn *c = s->conns; c; c = c->next) {
-			handler_drop_waits(c);
-			c->doomed = true;
-		}
-		while (s->conns)
-			conn_close(s->conns);
-		s->doomed = NULL;
+		if (s->h)
+			conn_close_all(&s->conns);
 		/* Connections closed above free themselves in their close
 		 * callbacks; everything else has no callback to wait for. */
 		uv_walk(s->loop, close_walk, NULL);
@@ -605,7 +610,46 @@ void server_shutdown(server *s)
 		s->cuda->destroy(s->cuda);
 	if (s->host)
 		s->host->destroy(s->host);
-	free(s->rbuf);
-	free(s->sbuf);
-	free(s->abuf);
+	handler_free(s->h);
+	park_free(s->park);
+	codec_free(s->codec);
+	conn_env_free(&s->conns);
+	free(s);
+}
+
+/* ---- for the fuzz target ------------------------------------------------------ */
+
+broker *server_broker(server *s)
+{
+	return s->b;
+}
+
+backend *server_host(server *s)
+{
+	return s->host;
+}
+
+bool server_has_conns(const server *s)
+{
+	return s->conns.conns != NULL;
+}
+
+bool server_has_doomed(const server *s)
+{
+	return s->conns.doomed != NULL;
+}
+
+uint64_t server_first_conn(const server *s)
+{
+	return conn_first_serial(&s->conns);
+}
+
+size_t server_reading_fds(server *s, int *fds, size_t max)
+{
+	return conn_reading_fds(&s->conns, fds, max);
+}
+
+int server_check(server *s, char *report, size_t cap)
+{
+	return handler_check(s->h, report, cap);
 }

@@ -43,6 +43,7 @@
 #include "fuzz_input.h"
 #include "log.h"
 #include "msgio.h"
+#include "handler.h"
 #include "server.h"
 #include "wire.h"
 
@@ -63,7 +64,7 @@ typedef struct client {
 /* What one input runs on. */
 typedef struct fuzz_run {
 	uv_loop_t loop;                     /* fresh for each input */
-	server s;                           /* the daemon, detached (no socket file) */
+	server *s;                          /* the daemon, detached (no socket file) */
 	client c[2];                        /* the two client connections */
 	uint8_t hdr;                        /* the input's header byte */
 	unsigned char token[BB_TOKEN_SIZE]; /* the last token a TakeReply carried */
@@ -284,25 +285,21 @@ static int drain(fuzz_run *fr, int i)
  * One poll(2) a turn tells both. */
 static void settle(fuzz_run *fr, bool nodrain)
 {
-	server *s = &fr->s;
+	server *s = fr->s;
 	struct pollfd p[2 + SETTLE_WATCH];
+	int fds[SETTLE_WATCH];
 	for (int turn = 0; turn < SETTLE_TURNS; turn++) {
 		uv_run(&fr->loop, UV_RUN_NOWAIT);
 		int n = 0;
-		bool busy = s->doomed != NULL;
+		bool busy = server_has_doomed(s);
 		for (int i = 0; i < 2; i++)
 			p[n++] =
 				(struct pollfd){.fd = nodrain ? -1 : fr->c[i].fd, .events = POLLIN};
-		conn *c;
-		DL_FOREACH (s->conns, c) {
-			if (c->doomed || c->closed || !(c->events & UV_READABLE))
-				continue;
-			if (n == 2 + SETTLE_WATCH) {
-				busy = true;
-				break;
-			}
-			p[n++] = (struct pollfd){.fd = c->fd, .events = POLLIN | POLLRDHUP};
-		}
+		size_t reading = server_reading_fds(s, fds, SETTLE_WATCH);
+		if (reading > SETTLE_WATCH)
+			busy = true;
+		for (size_t k = 0; k < reading && k < SETTLE_WATCH; k++)
+			p[n++] = (struct pollfd){.fd = fds[k], .events = POLLIN | POLLRDHUP};
 		if (poll_now(p, (nfds_t)n) < 0)
 			fail("poll: %s", strerror(errno));
 		for (int i = 0; i < 2; i++)
@@ -321,34 +318,16 @@ static void settle(fuzz_run *fr, bool nodrain)
  * the server's own lists. */
 static void check_invariants(fuzz_run *fr)
 {
-	server *s = &fr->s;
+	server *s = fr->s;
 	char report[2048];
-	if (broker_check(s->b, report, sizeof(report)))
-		fail("broker_check:\n%s", report);
+	/* The broker's own check, its host totals against the backend's
+	 * books, its connections and waits against the request layer's. */
+	if (server_check(s, report, sizeof(report)))
+		fail("check:\n%s", report);
 	broker_totals t;
-	broker_totals_get(s->b, &t);
-	uint64_t n, bytes;
-	s->host->usage(s->host, &n, &bytes);
-	if (n != t.buffers[BB_HOST] || bytes != t.bytes[BB_HOST])
-		fail("the host backend holds %llu buffers of %llu bytes; the broker counts %llu of %llu",
-		     (unsigned long long)n, (unsigned long long)bytes,
-		     (unsigned long long)t.buffers[BB_HOST], (unsigned long long)t.bytes[BB_HOST]);
+	broker_totals_get(server_broker(s), &t);
 	if (t.buffers[BB_CUDA] || t.bytes[BB_CUDA])
 		fail("CUDA buffers on a daemon without CUDA");
-	uint64_t conns = 0, waits = 0;
-	conn *c;
-	parked_wait *pw;
-	DL_FOREACH (s->conns, c) {
-		if (!c->bc)
-			continue;
-		conns++;
-		DL_FOREACH (c->waits, pw)
-			waits++;
-	}
-	if (conns != t.connections || waits != t.waits)
-		fail("the server has %llu connections with %llu waits; the broker counts %u with %llu",
-		     (unsigned long long)conns, (unsigned long long)waits, t.connections,
-		     (unsigned long long)t.waits);
 }
 
 /* ---- the clients ----------------------------------------------------------- */
@@ -399,7 +378,7 @@ static void open_client(fuzz_run *fr, int i)
 	int small = 4096;
 	setsockopt(sv[1], SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
 	int peer = FUZZ_HDR_PEER(fr->hdr, i);
-	if (server_add_conn(&fr->s, sv[1], g.uid[peer], g.gid[peer], g.pid[peer]) < 0)
+	if (server_add_conn(fr->s, sv[1], g.uid[peer], g.gid[peer], g.pid[peer]) < 0)
 		fail("server_add_conn: out of memory");
 	fr->c[i].fd = sv[0];
 	if (fr->hdr & FUZZ_HDR_HELLO) {
@@ -557,26 +536,28 @@ static int list_row(const broker_info *info, void *arg)
 
 static void check_closed(fuzz_run *fr)
 {
-	server *s = &fr->s;
-	for (int turn = 0; turn < CLOSE_TURNS && (s->conns || s->doomed); turn++)
+	server *s = fr->s;
+	broker *b = server_broker(s);
+	for (int turn = 0; turn < CLOSE_TURNS && (server_has_conns(s) || server_has_doomed(s));
+	     turn++)
 		uv_run(&fr->loop, UV_RUN_NOWAIT);
-	if (s->conns)
+	if (server_has_conns(s))
 		fail("connection %llu is still open %d loop turns after its peer closed",
-		     (unsigned long long)s->conns->serial, CLOSE_TURNS);
+		     (unsigned long long)server_first_conn(s), CLOSE_TURNS);
 	check_invariants(fr);
 
 	broker_totals t;
-	broker_totals_get(s->b, &t);
+	broker_totals_get(b, &t);
 	if (t.connections || t.waits)
 		fail("%u connections and %llu waits left after every peer closed", t.connections,
 		     (unsigned long long)t.waits);
 	broker_error err;
-	broker_conn *root = broker_conn_open(s->b, 0, 0, 0, &err);
+	broker_conn *root = broker_conn_open(b, 0, 0, 0, &err);
 	if (!root)
 		fail("broker_conn_open with no connection open: %s", err.msg);
 	uint64_t rows = 0;
-	broker_list(s->b, root, list_row, &rows);
-	broker_conn_close(s->b, root);
+	broker_list(b, root, list_row, &rows);
+	broker_conn_close(b, root);
 	if (rows != t.buffers[BB_HOST])
 		fail("root lists %llu buffers; the broker counts %llu", (unsigned long long)rows,
 		     (unsigned long long)t.buffers[BB_HOST]);
@@ -625,7 +606,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	close_client(&fr, 0);
 	close_client(&fr, 1);
 	check_closed(&fr);
-	server_shutdown(&fr.s);
+	server_shutdown(fr.s);
+	fr.s = NULL;
 	if (uv_loop_close(&fr.loop) != 0)
 		fail("a libuv handle outlived server_shutdown");
 	int fds_after = open_fds();

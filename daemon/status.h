@@ -1,0 +1,63 @@
+/*
+ * One snapshot of the daemon's state, gathered from the broker, the
+ * backends, the parking lot and the request counters: what the
+ * ServerStatus answer and the metrics endpoint report, so that both say
+ * the same thing and neither reaches into the layers that serve requests.
+ *
+ * Loop thread only (the broker is not thread-safe).
+ */
+#ifndef BB_STATUS_H
+#define BB_STATUS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "broker.h"
+#include "metrics.h"
+#include "park.h"
+
+/* The most devices a snapshot lists. */
+#define STATUS_DEVICES_MAX 64
+
+/* Where a snapshot is read from: set up by the server, read-only here. */
+typedef struct status_sources {
+	uv_loop_t *loop;                   /* its clock, for the uptime */
+	uint64_t started_ms;               /* uv_now when the daemon started serving */
+	broker *b;                         /* buffers, connections, tokens, limits */
+	backend *host;                     /* the host backend (its reuse pool) */
+	backend *cuda;                     /* the CUDA backend, or NULL */
+	const char *cuda_why;              /* why CUDA is not served; "" when it is */
+	const park *park;                  /* parked allocs */
+	const metrics_counters *counters;  /* requests, latency, the server's refusals */
+} status_sources;
+
+/* Live buffers of one owner uid. */
+typedef struct status_uid {
+	uint32_t uid;                  /* the owner */
+	uint64_t buffers;              /* its live buffers */
+	uint64_t bytes[BROKER_KINDS];  /* their bytes, by kind */
+} status_uid;
+
+typedef struct status_snapshot {
+	uint64_t uptime_ms;                          /* since the daemon started serving */
+	broker_totals totals;                        /* the broker's */
+	uint64_t parked_allocs;                      /* allocs waiting for a backend job */
+	backend_host_pool_stats pool;                /* the host memfd reuse pool */
+	backend_device devices[STATUS_DEVICES_MAX];  /* CUDA devices served */
+	int n_devices;                               /* entries of devices */
+	const char *cuda_why;                        /* why CUDA is not served; "" when it is */
+	const metrics_counters *counters;            /* the counters (not copied) */
+	status_uid *uids;                            /* with_uids: per owner uid, malloc'ed */
+	size_t n_uids;                               /* entries of uids */
+} status_snapshot;
+
+/* Fill *out from src; with_uids also lists the owner uids (in no
+ * particular order). 0, or -1 out of memory (*out is then empty and needs
+ * no release). */
+int status_take(const status_sources *src, status_snapshot *out, bool with_uids);
+/* Free what status_take allocated in *s. */
+void status_release(status_snapshot *s);
+
+#endif /* BB_STATUS_H */
