@@ -11,7 +11,8 @@
 # core), bbbroker (the pure core: broker.c, idmap.c) and bbcommon (common/*.c
 # and the generated protobuf-c code) in a configured and built tree. An
 # object whose source file is gone (a stale leftover of a moved or deleted
-# file) is skipped with a note; an object older than its source is an error.
+# file) is skipped with a note; an object older than its source, and a
+# daemon/*.c or common/*.c without an object, are errors.
 #
 # With --layers FILE the modules must also follow that file's order: one
 # layer a line, the top layer first, the modules of one layer on one line.
@@ -167,10 +168,8 @@ if mode == "suggest":
                 print(m)
     sys.exit(0)
 
-problems = 0
 cycles = [c for c in sccs if len(c) > 1]
 for n, c in enumerate(cycles, 1):
-    problems += 1
     print("cycle %d: %d objects: %s" % (n, len(c), " ".join(c)))
     members = set(c)
     for a in c:
@@ -275,6 +274,15 @@ check()
 		done < <(find "$dir" -type f -name '*.o' -print0 | sort -z)
 	done
 	[ "${#seen[@]}" -gt 0 ] || die "no objects of ${BB_LAYER_TARGETS[*]} in $build: build it first"
+	# Every source of the daemon and of common/ must be among them: a
+	# module that moved into a target not named above would otherwise
+	# leave the graph without a word.
+	for source in "$src"/daemon/*.c "$src"/common/*.c; do
+		[ -f "$source" ] || continue
+		srel="${source#"$src"/}"
+		[ -n "${seen[$srel.o]:-}" ] ||
+			die "$srel has no object in the targets ${BB_LAYER_TARGETS[*]} of $build: build it, or add its target to BB_LAYER_TARGETS in $self"
+	done
 	mapfile -t objects < <(printf '%s\n' "${!seen[@]}" | sort)
 	for rel in "${objects[@]}"; do
 		if [ "${sources[$rel]}" -nt "${seen[$rel]}" ]; then
@@ -459,6 +467,12 @@ int top_main(void) { return mid_run(2); }'
 		-- --layers "$tmp/LAYERS.ambiguous" "$b"
 	st_expect "suggest writes an ambiguous name with its directory" 0 "common/mid" \
 		-- --suggest "$b"
+
+	printf 'int orphan;\n' >"$t/src/daemon/orphan.c"
+	st_expect "a daemon source without an object is refused" 2 \
+		"daemon/orphan.c has no object in the targets bufbrokerd bbbroker bbcommon" \
+		-- "$b"
+	rm "$t/src/daemon/orphan.c"
 
 	touch -d '2099-01-01' "$t/src/daemon/mid.c"
 	st_expect "an object older than its source is refused" 2 "older than their sources: daemon/mid.c.o" \
