@@ -14,7 +14,9 @@ BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # baseline and plots (bench/run.sh); libmicrohttpd serves the metrics
 # endpoint and curl scrapes it in its test; dpkg-dev (dpkg-shlibdeps) and
 # file let cpack compute the .deb packages' Depends (scripts/package-test.sh);
-# valgrind runs the integration tests under memcheck (scripts/valgrind.sh).
+# valgrind runs the integration tests under memcheck (scripts/valgrind.sh);
+# clang-format (version 14 on Debian 12, the one .clang-format names) checks
+# the formatting (scripts/check-format.sh).
 BB_PACKAGES=(
 	build-essential cmake pkg-config
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
@@ -25,6 +27,7 @@ BB_PACKAGES=(
 	redis-server libhiredis-dev gnuplot-nox
 	dpkg-dev file
 	valgrind
+	clang-format
 )
 
 bb_log()
@@ -35,6 +38,17 @@ bb_log()
 bb_warn()
 {
 	printf '==> warning: %s\n' "$*" >&2
+}
+
+# True under continuous integration (CI=true, as GitHub Actions, GitLab CI
+# and most others set it): a check whose tool is missing fails there
+# instead of skipping.
+bb_ci()
+{
+	case "${CI:-}" in
+	[Tt][Rr][Uu][Ee] | 1 | [Yy][Ee][Ss]) return 0 ;;
+	*) return 1 ;;
+	esac
 }
 
 # Prints the packages of BB_PACKAGES that are not installed, one a line.

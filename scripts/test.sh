@@ -5,7 +5,10 @@
 # with libFuzzer for a bounded time when clang is present (tests/fuzz/run.sh);
 # then the first build's integration tests under valgrind memcheck
 # (scripts/valgrind.sh); then, as root, build, install and purge the Debian
-# packages (scripts/package-test.sh). Exits non-zero if anything fails.
+# packages (scripts/package-test.sh); last, the formatting of every tracked
+# .c and .h file against .clang-format (scripts/check-format.sh). Exits
+# non-zero if anything fails. Under CI (CI=true) a missing clang-format
+# fails the format step instead of skipping it.
 #
 # Usage: sudo ./scripts/test.sh        (root or sudo only to install packages)
 # Build trees: build/, build-asan/, build-fuzz/ and build-pkg/
@@ -122,6 +125,28 @@ else
 		;;
 	esac
 fi
+
+# Every tracked .c and .h file formatted as .clang-format says, by the
+# clang-format version it names (scripts/check-format.sh). Without that
+# clang-format: a skip on a developer's machine, a failure under CI.
+fmt_label="format (clang-format, .clang-format, every tracked .c and .h)"
+fmt_rc=0
+scripts/check-format.sh || fmt_rc=$?
+case "$fmt_rc" in
+0) summary+=("$fmt_label: PASS") ;;
+77)
+	if bb_ci; then
+		summary+=("$fmt_label: FAIL (clang-format is missing and CI is set)")
+		failed=1
+	else
+		summary+=("$fmt_label: SKIP (see the SKIP line above)")
+	fi
+	;;
+*)
+	summary+=("$fmt_label: FAIL (see above; scripts/check-format.sh --fix formats in place)")
+	failed=1
+	;;
+esac
 
 echo
 for line in "${summary[@]}"; do
