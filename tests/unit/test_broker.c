@@ -41,6 +41,8 @@ typedef struct counting_backend {
 	int imports;           /* import_fd calls */
 	int frees;             /* free calls */
 	int exports;           /* export_mem calls */
+	int exposes;           /* expose calls */
+	int fail_export;       /* non-zero: export_mem fails with it */
 	int last_import_fd;    /* fd the last import_fd got */
 	int fail_code;         /* non-zero: the next alloc/import fails with it */
 } counting_backend;
@@ -115,13 +117,22 @@ static int cb_export(backend *be, const backend_mem *mem, backend_export *out, c
 {
 	counting_backend *cb = be->ctx;
 	const test_mem *m = mem->priv;
-	(void)err;
-	(void)errlen;
 	cb->exports++;
 	memset(out, 0, sizeof(*out));
 	out->fd = -1;
 	out->allocation = m->size;
+	if (cb->fail_export) {
+		snprintf(err, errlen, "counting backend cannot export");
+		return cb->fail_export;
+	}
 	return 0;
+}
+
+static void cb_expose(backend *be, const backend_mem *mem)
+{
+	counting_backend *cb = be->ctx;
+	cr_assert_not_null(mem->priv, "expose of a mem without priv");
+	cb->exposes++;
 }
 
 static void counting_backend_init(counting_backend *cb, const char *name)
@@ -133,6 +144,7 @@ static void counting_backend_init(counting_backend *cb, const char *name)
 	cb->be.import_fd = cb_import_fd;
 	cb->be.free = cb_free;
 	cb->be.export_mem = cb_export;
+	cb->be.expose = cb_expose;
 	cb->be.destroy = NULL;
 }
 
@@ -681,6 +693,60 @@ Test(broker, export_goes_through_backend)
 	cr_assert_eq(host.exports, 1);
 	cr_assert_eq(ex.fd, -1);
 	cr_assert_eq(ex.allocation, 4321);
+}
+
+Test(broker, grant_to_the_owners_uid_exposes_nothing)
+{
+	broker_conn *a = conn(UID_A, GID_A);
+	broker_conn *c = conn(UID_A, GID_A);
+	uint64_t id = alloc_buf(a, 64);
+	broker_buf *buf;
+	broker_granted g;
+	cr_assert_eq(broker_open_id(b, c, id, &buf, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_grant(b, c, buf, &g, &err), 0, "%s", err.msg);
+	cr_assert_eq(g.info.id, id);
+	cr_assert_eq(g.info.held, 1);
+	cr_assert_eq(g.ex.allocation, 64);
+	cr_assert(!g.exposed);
+	cr_assert_eq(host.exposes, 0);
+}
+
+Test(broker, grant_to_another_uid_exposes_the_memory_to_the_backend)
+{
+	broker_conn *a = conn(UID_A, GID_A);
+	broker_conn *c = conn(UID_B, GID_B);
+	uint64_t id = alloc_named(a, 16, NULL, BB_SHARE_ANY);
+	broker_buf *buf;
+	broker_granted g;
+	cr_assert_eq(broker_open_id(b, c, id, &buf, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_grant(b, c, buf, &g, &err), 0, "%s", err.msg);
+	cr_assert(g.exposed);
+	cr_assert_eq(host.exposes, 1);
+	/* The owner's own grant of the same buffer exposes nothing more. */
+	cr_assert_eq(broker_open_id(b, a, id, &buf, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_grant(b, a, buf, &g, &err), 0, "%s", err.msg);
+	cr_assert(!g.exposed);
+	cr_assert_eq(host.exposes, 1);
+}
+
+Test(broker, failed_grant_gives_back_the_count_it_came_with)
+{
+	broker_conn *a = conn(UID_A, GID_A);
+	broker_conn *c = conn(UID_B, GID_B);
+	uint64_t id = alloc_named(a, 16, NULL, BB_SHARE_ANY);
+	broker_buf *buf;
+	broker_granted g;
+	cr_assert_eq(broker_open_id(b, c, id, &buf, &err), 0, "%s", err.msg);
+	cr_assert_eq(stat_of(a, id).refs, 2);
+	host.fail_export = BB_ERR_SYSTEM;
+	err.msg[0] = '\0';
+	cr_assert_eq(broker_grant(b, c, buf, &g, &err), BB_ERR_SYSTEM);
+	cr_assert_str_eq(err.msg, "counting backend cannot export");
+	cr_assert_eq(host.exposes, 0, "nothing is exposed by a grant that failed");
+	broker_info info = stat_of(a, id);
+	cr_assert_eq(info.refs, 1);
+	cr_assert_eq(broker_release(b, c, id, 1, NULL, NULL, &err), BB_ERR_INVALID,
+		     "the grantee holds nothing after the failed grant");
 }
 
 /* ---- async state ---------------------------------------------------------- */
