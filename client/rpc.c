@@ -43,7 +43,7 @@ static _Thread_local char last_error[512];
 
 /* ---- errors ---------------------------------------------------------------- */
 
-BB_EXPORT int bbc_fail(int code, const char *fmt, ...)
+int bbc_fail(int code, const char *fmt, ...)
 {
 	va_list ap;
 
@@ -257,8 +257,7 @@ static int call_complete(bb_client *c, struct call *k, int send_rc)
 	return rc;
 }
 
-BB_EXPORT int bbc_call(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker__Response **resp,
-		       int *fd_in)
+int bbc_call(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker__Response **resp, int *fd_in)
 {
 	struct call k = {.fd = -1};
 	int rc;
@@ -289,7 +288,7 @@ BB_EXPORT int bbc_call(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker_
 	return 0;
 }
 
-BB_EXPORT void bbc_response_free(Bufbroker__Response *r)
+void bbc_response_free(Bufbroker__Response *r)
 {
 	if (r)
 		bufbroker__response__free_unpacked(r, NULL);

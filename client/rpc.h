@@ -15,8 +15,8 @@
 #include <string.h>
 
 /* Marks the public bb_* definitions. The library builds with
- * -fvisibility=hidden, so everything not marked stays inside
- * libbufbroker.so. */
+ * -fvisibility=hidden, so everything not marked (bbc_* included) stays
+ * inside libbufbroker.so: only bb_* is the shared library's ABI. */
 #define BB_EXPORT __attribute__((visibility("default")))
 
 struct call;
