@@ -1,6 +1,8 @@
 /*
  * The library's raw request path, for the admin CLI and tests that speak
- * the wire protocol through an established bb_client. Not installed.
+ * the wire protocol through an established bb_client. Not installed, and
+ * not exported by libbufbroker.so (which exports bb_* only): a program
+ * that calls these links the static library (bufbroker_static).
  */
 #ifndef BB_CLIENT_INTERNAL_H
 #define BB_CLIENT_INTERNAL_H

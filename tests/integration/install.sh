@@ -3,6 +3,7 @@
 # public API in both ways a user would: `pkg-config bufbroker` (shared
 # library) and CMake's `find_package(bufbroker)` with bufbroker::bufbroker.
 # Both programs then pass a buffer between two processes through a daemon.
+# The installed libbufbroker.so.0 exports bb_* names only.
 #
 # ctest sets BB_SOURCE_DIR, BB_BUILD_DIR and BUFBROKERD.
 set -euo pipefail
@@ -39,6 +40,22 @@ pcdir=$(dirname "$(find "$PREFIX" -name bufbroker.pc | head -n1)")
 [[ -n $pcdir ]] || fail "bufbroker.pc was not installed"
 libdir=$(dirname "$pcdir")
 ls "$libdir"/libbufbroker.so.0 "$libdir"/libbufbroker.a >/dev/null || fail "libraries missing in $libdir"
+
+# The installed shared library exports the public API and nothing else:
+# not the client's internal bbc_* functions, not the common/ code, not the
+# protobuf-c messages. Every name it defines for the dynamic linker starts
+# with bb_.
+command -v nm >/dev/null || fail "nm (binutils) is needed to list what libbufbroker.so.0 exports"
+nm -D --defined-only "$libdir/libbufbroker.so.0" >"$DIR/exports" 2>"$DIR/nm.err" ||
+	{ cat "$DIR/nm.err" >&2; fail "nm -D --defined-only $libdir/libbufbroker.so.0"; }
+grep -q ' bb_connect$' "$DIR/exports" ||
+	{ cat "$DIR/exports" >&2; fail "libbufbroker.so.0 does not export bb_connect"; }
+awk '$NF !~ /^bb_/' "$DIR/exports" >"$DIR/offenders"
+if [[ -s $DIR/offenders ]]; then
+	echo "libbufbroker.so.0 exports names outside bb_*:" >&2
+	cat "$DIR/offenders" >&2
+	fail "the installed libbufbroker.so.0 exports $(wc -l <"$DIR/offenders") non-bb_ name(s)"
+fi
 
 # A client written only against the public header.
 cat >"$DIR/app.c" <<'C'

@@ -1,0 +1,24 @@
+/*
+ * CUDA buffers' device pointers, through one process-wide cache of opened
+ * allocations shared by every bb_client (cuda_map.c). Not installed.
+ */
+#ifndef BB_CLIENT_CUDA_MAP_H
+#define BB_CLIENT_CUDA_MAP_H
+
+#include "bufbroker/bufbroker.h"
+
+struct cuda_alloc;
+
+/* bb_map of a CUDA buffer b: 0 with *ptr_out its device pointer, valid in
+ * this process's primary context of the device with b's UUID; or BB_ERR_*
+ * with the last error set and *ptr_out unchanged. The first map of b opens
+ * b's allocation (or takes one more use of it from the cache) and records it
+ * in b->cmap; later ones answer from b->map. Safe from any thread. */
+int bbc_cuda_map(bb_buf *b, void **ptr_out);
+
+/* Drop one use of a (a handle's b->cmap, once per handle); the last one
+ * closes the allocation in its device's context and forgets it, so that the
+ * caller may then send the Release that lets the daemon free it. */
+void bbc_cuda_unuse(struct cuda_alloc *a);
+
+#endif /* BB_CLIENT_CUDA_MAP_H */
