@@ -57,6 +57,15 @@ if [[ -s $DIR/offenders ]]; then
 	fail "the installed libbufbroker.so.0 exports $(wc -l <"$DIR/offenders") non-bb_ name(s)"
 fi
 
+# The installed header stands on its own: it points to no document or
+# file of the source tree (a .md file, a path up or into the repository),
+# which someone who installed the package does not have.
+if grep -nE '[A-Za-z0-9_]+\.md\b|\.\./|(^|[^A-Za-z])(shared|docs|daemon|client|common)/' \
+	"$PREFIX/include/bufbroker/bufbroker.h" >"$DIR/refs"; then
+	cat "$DIR/refs" >&2
+	fail "the installed bufbroker.h refers to files outside the install"
+fi
+
 # A client written only against the public header.
 cat >"$DIR/app.c" <<'C'
 #include <bufbroker/bufbroker.h>
