@@ -24,29 +24,9 @@ typedef struct req_ctx {
 	int opc;         /* Request.op_case, for metrics */
 } req_ctx;
 
-static const char *code_name(int code)
-{
-	switch (code) {
-	case BB_OK: return "OK";
-	case BB_ERR_INVALID: return "INVALID";
-	case BB_ERR_NOT_FOUND: return "NOT_FOUND";
-	case BB_ERR_DENIED: return "DENIED";
-	case BB_ERR_NO_MEMORY: return "NO_MEMORY";
-	case BB_ERR_TIMEOUT: return "TIMEOUT";
-	case BB_ERR_DISCONNECTED: return "DISCONNECTED";
-	case BB_ERR_PROTOCOL: return "PROTOCOL";
-	case BB_ERR_FAILED: return "FAILED";
-	case BB_ERR_UNSUPPORTED: return "UNSUPPORTED";
-	case BB_ERR_STATE: return "STATE";
-	case BB_ERR_EXISTS: return "EXISTS";
-	case BB_ERR_SYSTEM: return "SYSTEM";
-	default: return "UNKNOWN";
-	}
-}
-
 const char *handler_status_name(int code)
 {
-	return code_name(code);
+	return bb_err_name(code);
 }
 
 static void reply_error(req_ctx *r, int code, const char *msg)
@@ -56,7 +36,7 @@ static void reply_error(req_ctx *r, int code, const char *msg)
 	if (code != BB_ERR_TIMEOUT && log_enabled(LOG_INFO)) {
 		char esc[512];
 		log_info("event=request_failed conn=%llu uid=%u pid=%u op=%s code=%s error=\"%s\"",
-			 (unsigned long long)c->serial, c->uid, c->pid, r->op, code_name(code),
+			 (unsigned long long)c->serial, c->uid, c->pid, r->op, bb_err_name(code),
 			 log_escape(msg, esc, sizeof(esc)));
 	}
 	if (!r->quiet)

@@ -91,7 +91,7 @@ static const char *op_label(int op, char *buf, size_t len)
 
 static const char *status_label(int i)
 {
-	return i < METRICS_STATUSES - 1 ? handler_status_name(-i) : "OTHER";
+	return i < METRICS_STATUSES - 1 ? bb_err_name(-i) : "OTHER";
 }
 
 /* A label value, escaped as the exposition format wants. */

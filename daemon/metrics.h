@@ -15,12 +15,15 @@
 
 #include <stdint.h>
 
+#include "status.h"
+
 typedef struct server server;
 typedef struct metrics_endpoint metrics_endpoint;
 
-#define METRICS_OPS 64      /* Request.op_case values counted; larger ones count as 0 */
-#define METRICS_STATUSES 14 /* BB_OK .. BB_ERR_SYSTEM (0 .. -12), then "other" */
-#define METRICS_BUCKETS 17  /* latency buckets from 5 us to 1 s, then +Inf */
+#define METRICS_OPS 64 /* Request.op_case values counted; larger ones count as 0 */
+/* Answers are counted by status: each code of status.h, then "other". */
+#define METRICS_STATUSES (BB_STATUS_COUNT + 1)
+#define METRICS_BUCKETS 17 /* latency buckets from 5 us to 1 s, then +Inf */
 #define METRICS_SCRAPE_TIMEOUT_MS 2000
 
 /* Limits the server enforces itself; the broker counts its own

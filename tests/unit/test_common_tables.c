@@ -1,0 +1,79 @@
+/*
+ * The tables in common/: status codes (bb_err_name, bb_strerror). The
+ * names pinned here are the ones the daemon's logs and metrics wrote
+ * before the table existed; operators' alerts and dashboards match them.
+ */
+#include <criterion/criterion.h>
+#include <ctype.h>
+#include <limits.h>
+#include <string.h>
+
+#include "bufbroker/bufbroker.h"
+#include "status.h"
+
+/* ---- status codes -------------------------------------------------------------- */
+
+Test(status, every_code_has_a_name_and_a_sentence)
+{
+	for (int code = 0; code > -BB_STATUS_COUNT; code--) {
+		const char *name = bb_err_name(code), *text = bb_strerror(code);
+		cr_assert(name && *name, "code %d has no name", code);
+		cr_assert(text && *text, "code %d has no sentence", code);
+		cr_assert_str_neq(name, "UNKNOWN", "code %d", code);
+		cr_assert_str_neq(text, "unknown error", "code %d", code);
+		for (const char *p = name; *p; p++)
+			cr_assert(isupper((unsigned char)*p) || *p == '_', "code %d: %s", code,
+				  name);
+		for (int other = code - 1; other > -BB_STATUS_COUNT; other--) {
+			cr_assert_str_neq(name, bb_err_name(other), "codes %d and %d", code, other);
+			cr_assert_str_neq(text, bb_strerror(other), "codes %d and %d", code, other);
+		}
+	}
+}
+
+Test(status, the_count_ends_at_the_last_code)
+{
+	cr_assert_eq(BB_ERR_SYSTEM, -(BB_STATUS_COUNT - 1));
+}
+
+Test(status, names_are_the_constants_as_logs_write_them)
+{
+	static const struct {
+		int code;
+		const char *name;
+	} want[] = {
+		{BB_OK, "OK"},
+		{BB_ERR_INVALID, "INVALID"},
+		{BB_ERR_NOT_FOUND, "NOT_FOUND"},
+		{BB_ERR_DENIED, "DENIED"},
+		{BB_ERR_NO_MEMORY, "NO_MEMORY"},
+		{BB_ERR_TIMEOUT, "TIMEOUT"},
+		{BB_ERR_DISCONNECTED, "DISCONNECTED"},
+		{BB_ERR_PROTOCOL, "PROTOCOL"},
+		{BB_ERR_FAILED, "FAILED"},
+		{BB_ERR_UNSUPPORTED, "UNSUPPORTED"},
+		{BB_ERR_STATE, "STATE"},
+		{BB_ERR_EXISTS, "EXISTS"},
+		{BB_ERR_SYSTEM, "SYSTEM"},
+	};
+	cr_assert_eq(sizeof(want) / sizeof(want[0]), BB_STATUS_COUNT);
+	for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++)
+		cr_assert_str_eq(bb_err_name(want[i].code), want[i].name);
+}
+
+Test(status, sentences_are_the_ones_bb_strerror_gave)
+{
+	cr_assert_str_eq(bb_strerror(BB_OK), "success");
+	cr_assert_str_eq(bb_strerror(BB_ERR_NOT_FOUND), "no such buffer, name or token");
+	cr_assert_str_eq(bb_strerror(BB_ERR_NO_MEMORY), "out of memory or over a limit");
+	cr_assert_str_eq(bb_strerror(BB_ERR_SYSTEM), "a system call failed");
+}
+
+Test(status, unknown_codes_give_UNKNOWN_and_unknown_error)
+{
+	const int bad[] = {1, 2, -BB_STATUS_COUNT, -BB_STATUS_COUNT - 1, -1000, INT_MIN, INT_MAX};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		cr_assert_str_eq(bb_err_name(bad[i]), "UNKNOWN", "code %d", bad[i]);
+		cr_assert_str_eq(bb_strerror(bad[i]), "unknown error", "code %d", bad[i]);
+	}
+}
