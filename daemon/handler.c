@@ -12,6 +12,7 @@
 
 #include "flatwire.h"
 #include "log.h"
+#include "ops.h"
 #include "server.h"
 #include "wire.h"
 
@@ -252,7 +253,10 @@ void handler_retry_allocs(server *s)
 	DL_FOREACH_SAFE(list, pa, tmp)
 	{
 		DL_DELETE(list, pa);
-		req_ctx r = {.c = pa->c, .id = pa->req_id, .quiet = pa->quiet, .op = "alloc",
+		req_ctx r = {.c = pa->c,
+			     .id = pa->req_id,
+			     .quiet = pa->quiet,
+			     .op = bb_op_name(BUFBROKER__REQUEST__OP_ALLOC),
 			     .opc = BUFBROKER__REQUEST__OP_ALLOC};
 		if (pa->c->doomed || pa->c->closed) {
 			metrics_answered(&s->counters, r.opc, BB_ERR_DISCONNECTED);
@@ -855,29 +859,6 @@ static void do_check(req_ctx *r)
 
 /* ---- dispatch ------------------------------------------------------------------ */
 
-static const char *op_name(Bufbroker__Request__OpCase op)
-{
-	switch (op) {
-	case BUFBROKER__REQUEST__OP_HELLO: return "hello";
-	case BUFBROKER__REQUEST__OP_ALLOC: return "alloc";
-	case BUFBROKER__REQUEST__OP_IMPORT_FD: return "import_fd";
-	case BUFBROKER__REQUEST__OP_OPEN: return "open";
-	case BUFBROKER__REQUEST__OP_RETAIN: return "retain";
-	case BUFBROKER__REQUEST__OP_RELEASE: return "release";
-	case BUFBROKER__REQUEST__OP_TAKE: return "take";
-	case BUFBROKER__REQUEST__OP_ADOPT: return "adopt";
-	case BUFBROKER__REQUEST__OP_SET_READY: return "set_ready";
-	case BUFBROKER__REQUEST__OP_SET_ERROR: return "set_error";
-	case BUFBROKER__REQUEST__OP_WAIT: return "wait";
-	case BUFBROKER__REQUEST__OP_STAT: return "stat";
-	case BUFBROKER__REQUEST__OP_LIST: return "list";
-	case BUFBROKER__REQUEST__OP_SERVER_STATUS: return "server_status";
-	case BUFBROKER__REQUEST__OP_CLIENTS: return "clients";
-	case BUFBROKER__REQUEST__OP_CHECK: return "check";
-	default: return "unknown";
-	}
-}
-
 void handler_denied_message(const conn *c, char *buf, size_t len)
 {
 	snprintf(buf, len,
@@ -896,14 +877,17 @@ int handler_request_flat(conn *c, const unsigned char *data, size_t len, int fd)
 	bool retain = fr.op == FLAT_OP_RETAIN;
 	req_ctx r = {.c = c, .id = fr.id, .quiet = fr.no_reply};
 	r.opc = retain ? BUFBROKER__REQUEST__OP_RETAIN : BUFBROKER__REQUEST__OP_RELEASE;
-	r.op = op_name((Bufbroker__Request__OpCase)r.opc);
+	r.op = bb_op_name(r.opc);
 	do_refs(&r, fr.buf_id, fr.count, retain);
 	return r.opc;
 }
 
 void handler_request(conn *c, const Bufbroker__Request *req, int fd)
 {
-	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .op = op_name(req->op_case),
+	req_ctx r = {.c = c,
+		     .id = req->id,
+		     .quiet = req->no_reply,
+		     .op = bb_op_name(req->op_case),
 		     .opc = req->op_case};
 
 	if (c->denied) {

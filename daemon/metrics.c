@@ -25,6 +25,7 @@
 #include "cuda_api.h"
 #include "log.h"
 #include "metrics.h"
+#include "ops.h"
 #include "server.h"
 #include "wire.h"
 
@@ -72,22 +73,6 @@ void metrics_refused(metrics_counters *mc, metrics_limit limit)
 }
 
 /* ---- rendering (loop thread) ----------------------------------------------------- */
-
-/* An op's name as the protocol spells it ("alloc", "import_fd", ...): the
- * Request field of that number, so ops added to the schema name themselves. */
-static const char *op_label(int op, char *buf, size_t len)
-{
-	const ProtobufCFieldDescriptor *f =
-		op > 0 ? protobuf_c_message_descriptor_get_field(&bufbroker__request__descriptor,
-								 (unsigned)op)
-		       : NULL;
-	if (op == 0)
-		return "unknown";
-	if (f)
-		return f->name;
-	snprintf(buf, len, "op_%d", op);
-	return buf;
-}
 
 static const char *status_label(int i)
 {
@@ -168,7 +153,6 @@ static void device_family(FILE *f, const backend_device *devs, int n, const char
 
 static void render_requests(FILE *f, const metrics_counters *mc)
 {
-	char buf[24];
 	family(f, "bufbroker_requests_total", "counter",
 	       "Requests answered, by op and by the status of the answer.");
 	for (int op = 0; op < METRICS_OPS; op++)
@@ -176,7 +160,7 @@ static void render_requests(FILE *f, const metrics_counters *mc)
 			if (!mc->requests[op][st])
 				continue;
 			fprintf(f, "bufbroker_requests_total{op=\"");
-			put_value(f, op_label(op, buf, sizeof(buf)));
+			put_value(f, bb_op_name(op));
 			fprintf(f, "\",status=\"%s\"} %" PRIu64 "\n", status_label(st),
 				mc->requests[op][st]);
 		}
@@ -189,7 +173,7 @@ static void render_requests(FILE *f, const metrics_counters *mc)
 			count += mc->latency[op][b];
 		if (!count)
 			continue;
-		const char *name = op_label(op, buf, sizeof(buf));
+		const char *name = bb_op_name(op);
 		uint64_t cum = 0;
 		for (int b = 0; b <= METRICS_BUCKETS; b++) {
 			cum += mc->latency[op][b];

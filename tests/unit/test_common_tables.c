@@ -1,14 +1,18 @@
 /*
- * The tables in common/: status codes (bb_err_name, bb_strerror). The
- * names pinned here are the ones the daemon's logs and metrics wrote
- * before the table existed; operators' alerts and dashboards match them.
+ * The tables in common/: status codes (bb_err_name, bb_strerror) and op
+ * names from the Request descriptor (bb_op_name). The names pinned here
+ * are the ones the daemon's logs and metrics wrote before the tables
+ * existed; operators' alerts and dashboards match them.
  */
 #include <criterion/criterion.h>
 #include <ctype.h>
 #include <limits.h>
+#include <stddef.h>
 #include <string.h>
 
+#include "bufbroker.pb-c.h"
 #include "bufbroker/bufbroker.h"
+#include "ops.h"
 #include "status.h"
 
 /* ---- status codes -------------------------------------------------------------- */
@@ -76,4 +80,66 @@ Test(status, unknown_codes_give_UNKNOWN_and_unknown_error)
 		cr_assert_str_eq(bb_err_name(bad[i]), "UNKNOWN", "code %d", bad[i]);
 		cr_assert_str_eq(bb_strerror(bad[i]), "unknown error", "code %d", bad[i]);
 	}
+}
+
+/* ---- ops ----------------------------------------------------------------------- */
+
+/* Whether field f of Request belongs to the op oneof. */
+static bool is_op_field(const ProtobufCFieldDescriptor *f)
+{
+	return (f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) &&
+	       f->quantifier_offset == offsetof(Bufbroker__Request, op_case);
+}
+
+Test(ops, every_op_field_of_the_descriptor_is_named_by_its_field)
+{
+	const ProtobufCMessageDescriptor *d = &bufbroker__request__descriptor;
+	unsigned ops = 0;
+	for (unsigned i = 0; i < d->n_fields; i++) {
+		const ProtobufCFieldDescriptor *f = &d->fields[i];
+		if (!is_op_field(f)) {
+			cr_assert_str_eq(bb_op_name((int)f->id), "unknown", "field %s is no op",
+					 f->name);
+			continue;
+		}
+		ops++;
+		cr_assert_str_eq(bb_op_name((int)f->id), f->name);
+	}
+	cr_assert_eq(ops, 16, "the schema has %u ops; pin the new ones below", ops);
+}
+
+Test(ops, names_are_the_ones_logs_and_metrics_wrote)
+{
+	static const struct {
+		int op;
+		const char *name;
+	} want[] = {
+		{BUFBROKER__REQUEST__OP_HELLO, "hello"},
+		{BUFBROKER__REQUEST__OP_ALLOC, "alloc"},
+		{BUFBROKER__REQUEST__OP_IMPORT_FD, "import_fd"},
+		{BUFBROKER__REQUEST__OP_OPEN, "open"},
+		{BUFBROKER__REQUEST__OP_RETAIN, "retain"},
+		{BUFBROKER__REQUEST__OP_RELEASE, "release"},
+		{BUFBROKER__REQUEST__OP_TAKE, "take"},
+		{BUFBROKER__REQUEST__OP_ADOPT, "adopt"},
+		{BUFBROKER__REQUEST__OP_SET_READY, "set_ready"},
+		{BUFBROKER__REQUEST__OP_SET_ERROR, "set_error"},
+		{BUFBROKER__REQUEST__OP_WAIT, "wait"},
+		{BUFBROKER__REQUEST__OP_STAT, "stat"},
+		{BUFBROKER__REQUEST__OP_LIST, "list"},
+		{BUFBROKER__REQUEST__OP_SERVER_STATUS, "server_status"},
+		{BUFBROKER__REQUEST__OP_CLIENTS, "clients"},
+		{BUFBROKER__REQUEST__OP_CHECK, "check"},
+	};
+	for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++)
+		cr_assert_str_eq(bb_op_name(want[i].op), want[i].name);
+}
+
+Test(ops, no_op_and_other_numbers_are_unknown)
+{
+	/* 0: no op set; 1 and 2: Request.id and no_reply, fields but no ops;
+	 * 26 and 1000: no field (past the cached range too). */
+	const int bad[] = {BUFBROKER__REQUEST__OP__NOT_SET, 1, 2, 26, 63, 64, 1000, -1, INT_MIN};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+		cr_assert_str_eq(bb_op_name(bad[i]), "unknown", "op %d", bad[i]);
 }
