@@ -11,6 +11,7 @@
 #include <utlist.h>
 
 #include "flatwire.h"
+#include "kinds.h"
 #include "log.h"
 #include "ops.h"
 #include "server.h"
@@ -591,8 +592,8 @@ static void do_server_status(req_ctx *r)
 	broker_totals_get(s->b, &t);
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__ServerStatusReply ss = BUFBROKER__SERVER_STATUS_REPLY__INIT;
-	Bufbroker__KindTotals kt[2], *ktp[2];
-	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+	Bufbroker__KindTotals kt[BB_KIND_COUNT], *ktp[BB_KIND_COUNT];
+	for (int k = 1; k <= BB_KIND_COUNT; k++) {
 		Bufbroker__KindTotals *x = &kt[k - 1];
 		bufbroker__kind_totals__init(x);
 		x->kind = (Bufbroker__Kind)k;
@@ -605,7 +606,7 @@ static void do_server_status(req_ctx *r)
 	ss.version_minor = BB_PROTO_MINOR;
 	ss.uptime_ms = uv_now(s->loop) - s->started_ms;
 	ss.connections = t.connections;
-	ss.n_kinds = 2;
+	ss.n_kinds = BB_KIND_COUNT;
 	ss.kinds = ktp;
 	ss.tokens = t.tokens;
 	ss.waits = t.waits;
@@ -752,9 +753,9 @@ static int check_edges(server *s, char *report, size_t cap)
 	char line[256];
 
 	broker_totals_get(s->b, &t);
-	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+	for (int k = 1; k <= BB_KIND_COUNT; k++) {
 		backend *be = k == BB_HOST ? s->host : s->cuda;
-		const char *kind = k == BB_HOST ? "host" : "cuda";
+		const char *kind = bb_kind_name(k);
 		uint64_t n = 0, bytes = 0;
 		if (!be && (t.buffers[k] || t.bytes[k])) {
 			snprintf(line, sizeof(line),
@@ -825,7 +826,7 @@ static void do_check(req_ctx *r)
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__CheckReply cr = BUFBROKER__CHECK_REPLY__INIT;
 	cr.problems = (uint32_t)problems;
-	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+	for (int k = 1; k <= BB_KIND_COUNT; k++) {
 		cr.buffers += t.buffers[k];
 		cr.bytes += t.bytes[k];
 	}

@@ -23,6 +23,7 @@
 #include <utlist.h>
 
 #include "cuda_api.h"
+#include "kinds.h"
 #include "log.h"
 #include "metrics.h"
 #include "ops.h"
@@ -100,11 +101,6 @@ static void family(FILE *f, const char *name, const char *type, const char *help
 	fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static const char *kind_label(int kind)
-{
-	return kind == BB_HOST ? "host" : "cuda";
-}
-
 typedef struct uid_ctx {
 	FILE *f;
 	bool bytes; /* bufbroker_uid_bytes, else bufbroker_uid_buffers */
@@ -118,9 +114,9 @@ static void uid_row(uint32_t uid, uint64_t buffers, const uint64_t bytes[BROKER_
 			buffers);
 		return;
 	}
-	for (int k = BB_HOST; k <= BB_CUDA; k++)
+	for (int k = 1; k <= BB_KIND_COUNT; k++)
 		fprintf(u->f, "bufbroker_uid_bytes{uid=\"%" PRIu32 "\",kind=\"%s\"} %" PRIu64 "\n",
-			uid, kind_label(k), bytes[k]);
+			uid, bb_kind_name(k), bytes[k]);
 }
 
 /* The per-device gauges. */
@@ -212,13 +208,13 @@ static int render(server *s, char **out, size_t *len)
 	family(f, "bufbroker_connections", "gauge", "Open client connections.");
 	fprintf(f, "bufbroker_connections %" PRIu32 "\n", t.connections);
 	family(f, "bufbroker_buffers", "gauge", "Live buffers, by kind.");
-	for (int k = BB_HOST; k <= BB_CUDA; k++)
-		fprintf(f, "bufbroker_buffers{kind=\"%s\"} %" PRIu64 "\n", kind_label(k),
+	for (int k = 1; k <= BB_KIND_COUNT; k++)
+		fprintf(f, "bufbroker_buffers{kind=\"%s\"} %" PRIu64 "\n", bb_kind_name(k),
 			t.buffers[k]);
 	family(f, "bufbroker_buffer_bytes", "gauge",
 	       "Bytes of live buffers (their sizes), by kind.");
-	for (int k = BB_HOST; k <= BB_CUDA; k++)
-		fprintf(f, "bufbroker_buffer_bytes{kind=\"%s\"} %" PRIu64 "\n", kind_label(k),
+	for (int k = 1; k <= BB_KIND_COUNT; k++)
+		fprintf(f, "bufbroker_buffer_bytes{kind=\"%s\"} %" PRIu64 "\n", bb_kind_name(k),
 			t.bytes[k]);
 	family(f, "bufbroker_tokens", "gauge", "Live tokens (taken, not yet adopted or expired).");
 	fprintf(f, "bufbroker_tokens %" PRIu64 "\n", t.tokens);

@@ -1,8 +1,8 @@
 /*
- * The tables in common/: status codes (bb_err_name, bb_strerror) and op
- * names from the Request descriptor (bb_op_name). The names pinned here
- * are the ones the daemon's logs and metrics wrote before the tables
- * existed; operators' alerts and dashboards match them.
+ * The tables in common/: status codes (bb_err_name, bb_strerror), op names
+ * from the Request descriptor (bb_op_name) and buffer kinds (bb_kind_*).
+ * The names pinned here are the ones the daemon's logs and metrics wrote
+ * before the tables existed; operators' alerts and dashboards match them.
  */
 #include <criterion/criterion.h>
 #include <ctype.h>
@@ -12,6 +12,7 @@
 
 #include "bufbroker.pb-c.h"
 #include "bufbroker/bufbroker.h"
+#include "kinds.h"
 #include "ops.h"
 #include "status.h"
 
@@ -142,4 +143,51 @@ Test(ops, no_op_and_other_numbers_are_unknown)
 	const int bad[] = {BUFBROKER__REQUEST__OP__NOT_SET, 1, 2, 26, 63, 64, 1000, -1, INT_MIN};
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
 		cr_assert_str_eq(bb_op_name(bad[i]), "unknown", "op %d", bad[i]);
+}
+
+/* ---- kinds --------------------------------------------------------------------- */
+
+Test(kinds, every_kind_of_the_wire_enum_is_named_after_it)
+{
+	/* KIND_HOST is "host": the enum value's name, lowercase, without KIND_. */
+	const ProtobufCEnumDescriptor *d = &bufbroker__kind__descriptor;
+	unsigned kinds = 0;
+	for (unsigned i = 0; i < d->n_values; i++) {
+		const ProtobufCEnumValue *v = &d->values[i];
+		if (v->value == BUFBROKER__KIND__KIND_UNSPECIFIED)
+			continue;
+		char want[32];
+		const char *p = v->name + strlen("KIND_");
+		size_t n = 0;
+		for (; *p && n < sizeof(want) - 1; p++)
+			want[n++] = (char)tolower((unsigned char)*p);
+		want[n] = '\0';
+		kinds++;
+		cr_assert(bb_kind_valid(v->value), "%s", v->name);
+		cr_assert_str_eq(bb_kind_name(v->value), want);
+		cr_assert_eq(bb_kind_parse(want), v->value);
+	}
+	cr_assert_eq(kinds, BB_KIND_COUNT);
+}
+
+Test(kinds, host_and_cuda_are_the_bb_kinds)
+{
+	cr_assert_str_eq(bb_kind_name(BB_HOST), "host");
+	cr_assert_str_eq(bb_kind_name(BB_CUDA), "cuda");
+	cr_assert_eq(bb_kind_parse("host"), BB_HOST);
+	cr_assert_eq(bb_kind_parse("cuda"), BB_CUDA);
+	for (int k = 1; k <= BB_KIND_COUNT; k++)
+		cr_assert(bb_kind_valid(k));
+}
+
+Test(kinds, other_values_and_names_are_no_kind)
+{
+	const int bad[] = {0, BB_KIND_COUNT + 1, -1, INT_MIN, INT_MAX};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		cr_assert_not(bb_kind_valid(bad[i]), "kind %d", bad[i]);
+		cr_assert_str_eq(bb_kind_name(bad[i]), "unknown", "kind %d", bad[i]);
+	}
+	const char *names[] = {"", "HOST", "gpu", "unknown", "host ", NULL};
+	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+		cr_assert_eq(bb_kind_parse(names[i]), 0, "'%s'", names[i] ? names[i] : "(null)");
 }
