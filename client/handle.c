@@ -23,6 +23,8 @@
 #include <unistd.h>
 #include <utlist.h>
 
+#include "kinds.h"
+
 /* Unmap, close and free a handle that is off every list. A CUDA handle
  * gives up its use of the allocation, which closes it when it was the
  * last: callers free before they send the Release. */
@@ -52,7 +54,7 @@ static int buf_from_grant(bb_client *c, const Bufbroker__Response *r, int fd, bb
 	int rc = 0;
 
 	if (!info || info->id == 0 || info->size == 0 || info->size > SIZE_MAX ||
-	    (info->kind != BUFBROKER__KIND__KIND_HOST && info->kind != BUFBROKER__KIND__KIND_CUDA))
+	    !bb_kind_valid(info->kind))
 		rc = bbc_fail(BB_ERR_PROTOCOL,
 			      "bufbrokerd sent a grant without valid buffer information");
 	else if (info->kind == BUFBROKER__KIND__KIND_HOST && fd < 0)
@@ -150,7 +152,7 @@ static int check_opts(const bb_alloc_opts *opts)
 		return bbc_fail(BB_ERR_INVALID, "allocation options are required");
 	if (opts->size == 0)
 		return bbc_fail(BB_ERR_INVALID, "buffer size must be greater than 0");
-	if (opts->kind != BB_HOST && opts->kind != BB_CUDA)
+	if (!bb_kind_valid(opts->kind))
 		return bbc_fail(BB_ERR_INVALID, "unknown buffer kind %d", (int)opts->kind);
 	if (opts->share < BB_SHARE_UID || opts->share > BB_SHARE_ANY)
 		return bbc_fail(BB_ERR_INVALID, "unknown share policy %d", opts->share);

@@ -147,11 +147,6 @@ static int fail(broker_error *err, int code, const char *fmt, ...)
 	return code;
 }
 
-static const char *kind_name(bb_kind kind)
-{
-	return kind == BB_HOST ? "host" : kind == BB_CUDA ? "cuda" : "unknown";
-}
-
 /* "9.0 GiB": sizes in messages. */
 static const char *human(uint64_t n, char out[BB_SIZE_TEXT])
 {
@@ -237,7 +232,7 @@ broker *broker_new(const broker_config *cfg)
 	b->next_id = 1;
 	for (int k = 0; k < BROKER_KINDS; k++)
 		snprintf(b->why[k], sizeof(b->why[k]), "buffers of kind %s are not supported",
-			 kind_name((bb_kind)k));
+			 bb_kind_name(k));
 	return b;
 }
 
@@ -452,21 +447,22 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 
 	if (req->size == 0)
 		return fail(err, BB_ERR_INVALID, "size must be greater than 0");
-	if (req->kind != BB_HOST && req->kind != BB_CUDA)
+	if (!bb_kind_valid(req->kind))
 		return fail(err, BB_ERR_INVALID, "unknown buffer kind %d", (int)req->kind);
 	if (req->share < BB_SHARE_UID || req->share > BB_SHARE_ANY)
 		return fail(err, BB_ERR_INVALID, "unknown share policy %d", req->share);
 	if (req->device < 0 || (req->kind == BB_HOST && req->device != 0))
-		return fail(err, BB_ERR_INVALID, "device %d is not valid for %s buffers", req->device,
-			    kind_name(req->kind));
+		return fail(err, BB_ERR_INVALID, "device %d is not valid for %s buffers",
+			    req->device, bb_kind_name(req->kind));
 	if (name && (rc = check_name(name, err)))
 		return rc;
 	backend *be = b->be[req->kind];
 	if (!be)
 		return fail(err, BB_ERR_UNSUPPORTED, "%s", b->why[req->kind]);
 	if (req->import_fd >= 0 && !be->import_fd)
-		return fail(err, BB_ERR_UNSUPPORTED, "buffers of kind %s cannot be imported from an fd",
-			    kind_name(req->kind));
+		return fail(err, BB_ERR_UNSUPPORTED,
+			    "buffers of kind %s cannot be imported from an fd",
+			    bb_kind_name(req->kind));
 	if (name && find_name(b, name))
 		return fail(err, BB_ERR_EXISTS, "the name \"%s\" is taken by buffer %" PRIu64, name,
 			    find_name(b, name)->id);
@@ -490,7 +486,7 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 		human_pair(would, b->limits.uid_bytes[req->kind], h1, h2);
 		return fail(err, BB_ERR_NO_MEMORY,
 			    "uid %u would hold %s of %s buffers; the limit is %s (--uid-%s-bytes)",
-			    conn->uid, h1, kind_name(req->kind), h2, kind_name(req->kind));
+			    conn->uid, h1, bb_kind_name(req->kind), h2, bb_kind_name(req->kind));
 	}
 
 	broker_buf *buf = calloc(1, sizeof(*buf));
@@ -1217,9 +1213,9 @@ int broker_check(broker *b, char *report, size_t len)
 	}
 	for (int k = 1; k < BROKER_KINDS; k++) {
 		if (buffers[k] != b->buffers[k] || bytes[k] != b->bytes[k])
-			PROBLEM("%s totals say %" PRIu64 " buffers, %" PRIu64 " bytes; the buffers add up "
-				"to %" PRIu64 ", %" PRIu64,
-				kind_name((bb_kind)k), b->buffers[k], b->bytes[k], buffers[k], bytes[k]);
+			PROBLEM("%s totals say %" PRIu64 " buffers, %" PRIu64
+				" bytes; the buffers add up to %" PRIu64 ", %" PRIu64,
+				bb_kind_name(k), b->buffers[k], b->bytes[k], buffers[k], bytes[k]);
 	}
 	/* Per-uid usage, recounted into a scratch table. */
 	uid_usage *seen = NULL, *su, *stmp;

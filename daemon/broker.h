@@ -36,9 +36,10 @@
 
 #include "backend.h"
 #include "bufbroker/bufbroker.h"
+#include "kinds.h"
 
 #define BROKER_ERR_LEN 256
-#define BROKER_KINDS 3 /* index by bb_kind; 0 unused */
+#define BROKER_KINDS (BB_KIND_COUNT + 1) /* index by bb_kind; 0 unused */
 
 typedef struct broker broker;
 typedef struct broker_conn broker_conn;

@@ -13,7 +13,10 @@
 
 #include <utlist.h>
 
+#include "kinds.h"
 #include "log.h"
+#include "ops.h"
+#include "status.h"
 #include "wire.h"
 
 /* Connections of peers that no allow-list admits, waiting for the Hello
@@ -22,7 +25,7 @@
 
 struct handler {
 	uv_loop_t *loop;             /* timers */
-	const status_sources *src;   /* broker, backends: what the snapshot reads */
+	const snapshot_sources *src; /* broker, backends: what the snapshot reads */
 	broker *b;                   /* src->b */
 	park *park;                  /* parked waits and allocs */
 	metrics_counters *counters;  /* requests answered, refusals */
@@ -51,37 +54,12 @@ struct session {
 
 /* The request being answered. */
 typedef struct req_ctx {
-	session *c;      /* who asked */
-	uint64_t id;     /* Request.id */
-	bool quiet;      /* Request.no_reply */
-	const char *op;  /* op name, for logs */
-	int opc;         /* Request.op_case, for metrics */
+	session *c;     /* who asked */
+	uint64_t id;    /* Request.id */
+	bool quiet;     /* Request.no_reply */
+	const char *op; /* op name, for logs */
+	int opc;        /* Request.op_case, for metrics */
 } req_ctx;
-
-static const char *code_name(int code)
-{
-	switch (code) {
-	case BB_OK: return "OK";
-	case BB_ERR_INVALID: return "INVALID";
-	case BB_ERR_NOT_FOUND: return "NOT_FOUND";
-	case BB_ERR_DENIED: return "DENIED";
-	case BB_ERR_NO_MEMORY: return "NO_MEMORY";
-	case BB_ERR_TIMEOUT: return "TIMEOUT";
-	case BB_ERR_DISCONNECTED: return "DISCONNECTED";
-	case BB_ERR_PROTOCOL: return "PROTOCOL";
-	case BB_ERR_FAILED: return "FAILED";
-	case BB_ERR_UNSUPPORTED: return "UNSUPPORTED";
-	case BB_ERR_STATE: return "STATE";
-	case BB_ERR_EXISTS: return "EXISTS";
-	case BB_ERR_SYSTEM: return "SYSTEM";
-	default: return "UNKNOWN";
-	}
-}
-
-const char *handler_status_name(int code)
-{
-	return code_name(code);
-}
 
 /* Send a response that is just a status. */
 static void send_status(session *c, uint64_t req_id, int code, const char *msg)
@@ -138,7 +116,7 @@ static void reply_error(req_ctx *r, int code, const char *msg)
 	if (code != BB_ERR_TIMEOUT && log_enabled(LOG_INFO)) {
 		char esc[512];
 		log_info("event=request_failed conn=%llu uid=%u pid=%u op=%s code=%s error=\"%s\"",
-			 (unsigned long long)c->serial, c->uid, c->pid, r->op, code_name(code),
+			 (unsigned long long)c->serial, c->uid, c->pid, r->op, bb_err_name(code),
 			 log_escape(msg, esc, sizeof(esc)));
 	}
 	if (!r->quiet)
@@ -323,15 +301,17 @@ static bool retry_alloc(void *ctx, const park_alloc *pa)
 {
 	handler *h = ctx;
 	session *c = pa->owner;
-	req_ctx r = {.c = c, .id = pa->req_id, .quiet = pa->quiet, .op = "alloc",
+	req_ctx r = {.c = c,
+		     .id = pa->req_id,
+		     .quiet = pa->quiet,
+		     .op = bb_op_name(BUFBROKER__REQUEST__OP_ALLOC),
 		     .opc = BUFBROKER__REQUEST__OP_ALLOC};
 	if (c->reply.closing(c->reply.ctx)) {
 		metrics_answered(h->counters, r.opc, BB_ERR_DISCONNECTED);
 		alloc_unparked(c);
 		return true;
 	}
-	if (alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, -1) ==
-	    BACKEND_GROW)
+	if (alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, -1) == BACKEND_GROW)
 		return false;
 	alloc_unparked(c);
 	return true;
@@ -355,7 +335,8 @@ static void do_open(req_ctx *r, const Bufbroker__Open *o)
 	else if (o->target_case == BUFBROKER__OPEN__TARGET_ID)
 		rc = broker_open_id(b, r->c->bc, o->id, &buf, &err);
 	else
-		rc = BB_ERR_INVALID, snprintf(err.msg, sizeof(err.msg), "Open needs an id or a name");
+		rc = BB_ERR_INVALID,
+		snprintf(err.msg, sizeof(err.msg), "Open needs an id or a name");
 	if (rc) {
 		reply_error(r, rc, err.msg);
 		return;
@@ -411,7 +392,8 @@ static void do_adopt(req_ctx *r, const Bufbroker__Adopt *a)
 	broker_buf *buf;
 	if (a->token.len != BB_TOKEN_SIZE) {
 		char msg[64];
-		snprintf(msg, sizeof(msg), "a token is %d bytes, not %zu", BB_TOKEN_SIZE, a->token.len);
+		snprintf(msg, sizeof(msg), "a token is %d bytes, not %zu", BB_TOKEN_SIZE,
+			 a->token.len);
 		reply_error(r, BB_ERR_INVALID, msg);
 		return;
 	}
@@ -515,7 +497,8 @@ static void do_stat(req_ctx *r, const Bufbroker__Stat *st)
 	else if (st->target_case == BUFBROKER__STAT__TARGET_ID)
 		rc = broker_stat_id(b, r->c->bc, st->id, &info, &err);
 	else
-		rc = BB_ERR_INVALID, snprintf(err.msg, sizeof(err.msg), "Stat needs an id or a name");
+		rc = BB_ERR_INVALID,
+		snprintf(err.msg, sizeof(err.msg), "Stat needs an id or a name");
 	if (rc) {
 		reply_error(r, rc, err.msg);
 		return;
@@ -530,11 +513,11 @@ static void do_stat(req_ctx *r, const Bufbroker__Stat *st)
 
 /* Accumulates List rows until the next would overflow the datagram. */
 typedef struct list_acc {
-	uint64_t after_id;          /* skip ids up to this */
-	size_t budget;              /* bytes left for rows */
-	size_t n, cap;              /* rows */
-	broker_info *rows;          /* copies (BufferInfo points into them) */
-	bool truncated;             /* a row did not fit */
+	uint64_t after_id; /* skip ids up to this */
+	size_t budget;     /* bytes left for rows */
+	size_t n, cap;     /* rows */
+	broker_info *rows; /* copies (BufferInfo points into them) */
+	bool truncated;    /* a row did not fit */
 } list_acc;
 
 static int list_row(const broker_info *info, void *arg)
@@ -599,16 +582,16 @@ static void do_list(req_ctx *r, const Bufbroker__List *l)
 
 static void do_server_status(req_ctx *r)
 {
-	status_snapshot snap;
-	if (status_take(r->c->h->src, &snap, false) < 0) {
+	snapshot snap;
+	if (snapshot_take(r->c->h->src, &snap, false) < 0) {
 		reply_error(r, BB_ERR_NO_MEMORY, "daemon out of memory");
 		return;
 	}
 	const broker_totals *t = &snap.totals;
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__ServerStatusReply ss = BUFBROKER__SERVER_STATUS_REPLY__INIT;
-	Bufbroker__KindTotals kt[2], *ktp[2];
-	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+	Bufbroker__KindTotals kt[BB_KIND_COUNT], *ktp[BB_KIND_COUNT];
+	for (int k = 1; k <= BB_KIND_COUNT; k++) {
 		Bufbroker__KindTotals *x = &kt[k - 1];
 		bufbroker__kind_totals__init(x);
 		x->kind = (Bufbroker__Kind)k;
@@ -621,14 +604,14 @@ static void do_server_status(req_ctx *r)
 	ss.version_minor = BB_PROTO_MINOR;
 	ss.uptime_ms = snap.uptime_ms;
 	ss.connections = t->connections;
-	ss.n_kinds = 2;
+	ss.n_kinds = BB_KIND_COUNT;
 	ss.kinds = ktp;
 	ss.tokens = t->tokens;
 	ss.waits = t->waits;
 	ss.pid = (uint32_t)getpid();
 
 	/* The devices, as many as a datagram holds (each row is < 200 bytes). */
-	Bufbroker__DeviceInfo di[STATUS_DEVICES_MAX], *dip[STATUS_DEVICES_MAX];
+	Bufbroker__DeviceInfo di[SNAPSHOT_DEVICES_MAX], *dip[SNAPSHOT_DEVICES_MAX];
 	int n = snap.n_devices;
 	for (int i = 0; i < n; i++) {
 		backend_device *d = &snap.devices[i];
@@ -651,7 +634,7 @@ static void do_server_status(req_ctx *r)
 	resp.result_case = BUFBROKER__RESPONSE__RESULT_SERVER_STATUS;
 	resp.server_status = &ss;
 	reply(r, &resp, -1);
-	status_release(&snap);
+	snapshot_release(&snap);
 }
 
 /* ---- admin --------------------------------------------------------------------- */
@@ -768,9 +751,9 @@ static int check_edges(handler *h, char *report, size_t cap)
 	char line[256];
 
 	broker_totals_get(h->b, &t);
-	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+	for (int k = 1; k <= BB_KIND_COUNT; k++) {
 		backend *be = k == BB_HOST ? h->src->host : h->src->cuda;
-		const char *kind = k == BB_HOST ? "host" : "cuda";
+		const char *kind = bb_kind_name(k);
 		uint64_t n = 0, bytes = 0;
 		if (!be && (t.buffers[k] || t.bytes[k])) {
 			snprintf(line, sizeof(line),
@@ -844,7 +827,7 @@ static void do_check(req_ctx *r)
 	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__CheckReply cr = BUFBROKER__CHECK_REPLY__INIT;
 	cr.problems = (uint32_t)problems;
-	for (int k = BB_HOST; k <= BB_CUDA; k++) {
+	for (int k = 1; k <= BB_KIND_COUNT; k++) {
 		cr.buffers += t.buffers[k];
 		cr.bytes += t.bytes[k];
 	}
@@ -878,29 +861,6 @@ static void do_check(req_ctx *r)
 
 /* ---- dispatch ------------------------------------------------------------------ */
 
-static const char *op_name(Bufbroker__Request__OpCase op)
-{
-	switch (op) {
-	case BUFBROKER__REQUEST__OP_HELLO: return "hello";
-	case BUFBROKER__REQUEST__OP_ALLOC: return "alloc";
-	case BUFBROKER__REQUEST__OP_IMPORT_FD: return "import_fd";
-	case BUFBROKER__REQUEST__OP_OPEN: return "open";
-	case BUFBROKER__REQUEST__OP_RETAIN: return "retain";
-	case BUFBROKER__REQUEST__OP_RELEASE: return "release";
-	case BUFBROKER__REQUEST__OP_TAKE: return "take";
-	case BUFBROKER__REQUEST__OP_ADOPT: return "adopt";
-	case BUFBROKER__REQUEST__OP_SET_READY: return "set_ready";
-	case BUFBROKER__REQUEST__OP_SET_ERROR: return "set_error";
-	case BUFBROKER__REQUEST__OP_WAIT: return "wait";
-	case BUFBROKER__REQUEST__OP_STAT: return "stat";
-	case BUFBROKER__REQUEST__OP_LIST: return "list";
-	case BUFBROKER__REQUEST__OP_SERVER_STATUS: return "server_status";
-	case BUFBROKER__REQUEST__OP_CLIENTS: return "clients";
-	case BUFBROKER__REQUEST__OP_CHECK: return "check";
-	default: return "unknown";
-	}
-}
-
 /* The sentence that refuses a peer no allow-list admits, into buf. */
 static void denied_message(const session *c, char *buf, size_t len)
 {
@@ -912,7 +872,10 @@ static void denied_message(const session *c, char *buf, size_t len)
 
 void handler_request(session *c, const Bufbroker__Request *req, int fd)
 {
-	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .op = op_name(req->op_case),
+	req_ctx r = {.c = c,
+		     .id = req->id,
+		     .quiet = req->no_reply,
+		     .op = bb_op_name(req->op_case),
 		     .opc = req->op_case};
 
 	if (c->denied) {
@@ -930,7 +893,8 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd)
 	if (fd >= 0 && req->op_case != BUFBROKER__REQUEST__OP_IMPORT_FD) {
 		close(fd);
 		r.quiet = false;
-		reply_error(&r, BB_ERR_PROTOCOL, "unexpected file descriptor: only ImportFd carries one");
+		reply_error(&r, BB_ERR_PROTOCOL,
+			    "unexpected file descriptor: only ImportFd carries one");
 		return;
 	}
 	if (!c->hello && req->op_case != BUFBROKER__REQUEST__OP_HELLO) {
@@ -943,9 +907,7 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd)
 	}
 
 	switch (req->op_case) {
-	case BUFBROKER__REQUEST__OP_HELLO:
-		do_hello(&r, req->hello);
-		break;
+	case BUFBROKER__REQUEST__OP_HELLO: do_hello(&r, req->hello); break;
 	case BUFBROKER__REQUEST__OP_ALLOC: {
 		const Bufbroker__Alloc *a = req->alloc;
 		do_alloc(&r, a->size, a->kind, a->device, a->name, a->share, -1);
@@ -954,56 +916,39 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd)
 	case BUFBROKER__REQUEST__OP_IMPORT_FD: {
 		const Bufbroker__ImportFd *a = req->import_fd;
 		if (fd < 0)
-			reply_error(&r, BB_ERR_INVALID, "ImportFd needs the memfd attached to the request");
+			reply_error(&r, BB_ERR_INVALID,
+				    "ImportFd needs the memfd attached to the request");
 		else if (a->kind != BUFBROKER__KIND__KIND_HOST)
-			reply_error(&r, BB_ERR_INVALID, "only host buffers can be imported from an fd");
+			reply_error(&r, BB_ERR_INVALID,
+				    "only host buffers can be imported from an fd");
 		else
 			do_alloc(&r, a->size, a->kind, a->device, a->name, a->share, fd);
 		if (fd >= 0)
 			close(fd); /* the backend kept its own duplicate */
 		break;
 	}
-	case BUFBROKER__REQUEST__OP_OPEN:
-		do_open(&r, req->open);
-		break;
+	case BUFBROKER__REQUEST__OP_OPEN: do_open(&r, req->open); break;
 	case BUFBROKER__REQUEST__OP_RETAIN:
 		do_refs(&r, req->retain->id, req->retain->count, true);
 		break;
 	case BUFBROKER__REQUEST__OP_RELEASE:
 		do_refs(&r, req->release->id, req->release->count, false);
 		break;
-	case BUFBROKER__REQUEST__OP_TAKE:
-		do_take(&r, req->take);
-		break;
-	case BUFBROKER__REQUEST__OP_ADOPT:
-		do_adopt(&r, req->adopt);
-		break;
-	case BUFBROKER__REQUEST__OP_SET_READY:
-		do_settle(&r, req->set_ready->id, NULL);
-		break;
+	case BUFBROKER__REQUEST__OP_TAKE: do_take(&r, req->take); break;
+	case BUFBROKER__REQUEST__OP_ADOPT: do_adopt(&r, req->adopt); break;
+	case BUFBROKER__REQUEST__OP_SET_READY: do_settle(&r, req->set_ready->id, NULL); break;
 	case BUFBROKER__REQUEST__OP_SET_ERROR:
 		do_settle(&r, req->set_error->id,
-			  req->set_error->message && req->set_error->message[0] ? req->set_error->message
-										: "failed");
+			  req->set_error->message && req->set_error->message[0]
+				  ? req->set_error->message
+				  : "failed");
 		break;
-	case BUFBROKER__REQUEST__OP_WAIT:
-		do_wait(&r, req->wait);
-		break;
-	case BUFBROKER__REQUEST__OP_STAT:
-		do_stat(&r, req->stat);
-		break;
-	case BUFBROKER__REQUEST__OP_LIST:
-		do_list(&r, req->list);
-		break;
-	case BUFBROKER__REQUEST__OP_SERVER_STATUS:
-		do_server_status(&r);
-		break;
-	case BUFBROKER__REQUEST__OP_CLIENTS:
-		do_clients(&r, req->clients);
-		break;
-	case BUFBROKER__REQUEST__OP_CHECK:
-		do_check(&r);
-		break;
+	case BUFBROKER__REQUEST__OP_WAIT: do_wait(&r, req->wait); break;
+	case BUFBROKER__REQUEST__OP_STAT: do_stat(&r, req->stat); break;
+	case BUFBROKER__REQUEST__OP_LIST: do_list(&r, req->list); break;
+	case BUFBROKER__REQUEST__OP_SERVER_STATUS: do_server_status(&r); break;
+	case BUFBROKER__REQUEST__OP_CLIENTS: do_clients(&r, req->clients); break;
+	case BUFBROKER__REQUEST__OP_CHECK: do_check(&r); break;
 	default:
 		r.quiet = false;
 		reply_error(&r, BB_ERR_PROTOCOL, "unknown or missing op");
@@ -1013,8 +958,8 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd)
 
 /* ---- sessions ------------------------------------------------------------------ */
 
-session *handler_session_open(handler *h, uint64_t serial, uint32_t uid, uint32_t gid,
-			      uint32_t pid, bool denied, const handler_reply *reply)
+session *handler_session_open(handler *h, uint64_t serial, uint32_t uid, uint32_t gid, uint32_t pid,
+			      bool denied, const handler_reply *reply)
 {
 	session *c = calloc(1, sizeof(*c));
 	if (!c)
@@ -1068,11 +1013,12 @@ void handler_session_close(session *c, const char *why)
 		broker_conn_holdings(c->bc, &buffers, &bytes);
 		broker_conn_close(h->b, c->bc);
 		c->bc = NULL;
-		log_info("event=connection_closed conn=%llu uid=%u pid=%u client=\"%s\" released_buffers=%llu "
-			 "released_bytes=%llu reason=\"%s\"",
-			 (unsigned long long)c->serial, c->uid, c->pid, c->name,
-			 (unsigned long long)buffers, (unsigned long long)bytes,
-			 why && why[0] ? why : "daemon stopping");
+		log_info(
+			"event=connection_closed conn=%llu uid=%u pid=%u client=\"%s\" released_buffers=%llu "
+			"released_bytes=%llu reason=\"%s\"",
+			(unsigned long long)c->serial, c->uid, c->pid, c->name,
+			(unsigned long long)buffers, (unsigned long long)bytes,
+			why && why[0] ? why : "daemon stopping");
 		tokens_changed(h);
 	}
 	DL_DELETE(h->sessions, c);
@@ -1081,7 +1027,7 @@ void handler_session_close(session *c, const char *why)
 
 /* ---- the layer ----------------------------------------------------------------- */
 
-handler *handler_new(uv_loop_t *loop, const status_sources *src, park *park,
+handler *handler_new(uv_loop_t *loop, const snapshot_sources *src, park *park,
 		     metrics_counters *counters, uint32_t max_datagram)
 {
 	handler *h = calloc(1, sizeof(*h));

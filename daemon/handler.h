@@ -21,7 +21,7 @@
 #include "bufbroker.pb-c.h"
 #include "metrics.h"
 #include "park.h"
-#include "status.h"
+#include "snapshot.h"
 
 typedef struct handler handler;
 typedef struct session session;
@@ -45,7 +45,7 @@ typedef struct handler_reply {
 /* The request layer for the buffers of src->b. src and counters must
  * outlive it; max_datagram bounds what one answer may hold. NULL out of
  * memory. */
-handler *handler_new(uv_loop_t *loop, const status_sources *src, park *park,
+handler *handler_new(uv_loop_t *loop, const snapshot_sources *src, park *park,
 		     metrics_counters *counters, uint32_t max_datagram);
 /* Free it, once every session is closed and the loop has closed its
  * handles (handler_stop first). */
@@ -78,9 +78,5 @@ void handler_retry_allocs(handler *h);
  * waits against the sessions'. One line per problem into report (cap
  * bytes, NUL-terminated); returns how many problems there were. */
 int handler_check(handler *h, char *report, size_t cap);
-
-/* "OK", "NOT_FOUND", ...: a status code's name, as logs and metrics write
- * it ("UNKNOWN" for a code this daemon does not know). */
-const char *handler_status_name(int code);
 
 #endif /* BB_HANDLER_H */

@@ -23,10 +23,11 @@
 
 #include "metrics.h"
 
-#include "bufbroker.pb-c.h"
 #include "cuda_api.h"
-#include "handler.h" /* handler_status_name: goes with the common status table */
+#include "kinds.h"
 #include "log.h"
+#include "ops.h"
+#include "snapshot.h"
 #include "status.h"
 #include "wire.h"
 
@@ -74,25 +75,9 @@ void metrics_refused(metrics_counters *mc, metrics_limit limit)
 
 /* ---- rendering (loop thread) ----------------------------------------------------- */
 
-/* An op's name as the protocol spells it ("alloc", "import_fd", ...): the
- * Request field of that number, so ops added to the schema name themselves. */
-static const char *op_label(int op, char *buf, size_t len)
-{
-	const ProtobufCFieldDescriptor *f =
-		op > 0 ? protobuf_c_message_descriptor_get_field(&bufbroker__request__descriptor,
-								 (unsigned)op)
-		       : NULL;
-	if (op == 0)
-		return "unknown";
-	if (f)
-		return f->name;
-	snprintf(buf, len, "op_%d", op);
-	return buf;
-}
-
 static const char *status_label(int i)
 {
-	return i < METRICS_STATUSES - 1 ? handler_status_name(-i) : "OTHER";
+	return i < METRICS_STATUSES - 1 ? bb_err_name(-i) : "OTHER";
 }
 
 /* A label value, escaped as the exposition format wants. */
@@ -116,13 +101,8 @@ static void family(FILE *f, const char *name, const char *type, const char *help
 	fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static const char *kind_label(int kind)
-{
-	return kind == BB_HOST ? "host" : "cuda";
-}
-
 /* The per-uid families. */
-static void render_uids(FILE *f, const status_snapshot *snap)
+static void render_uids(FILE *f, const snapshot *snap)
 {
 	family(f, "bufbroker_uid_buffers", "gauge", "Live buffers, by owner uid.");
 	for (size_t i = 0; i < snap->n_uids; i++)
@@ -130,10 +110,11 @@ static void render_uids(FILE *f, const status_snapshot *snap)
 			snap->uids[i].uid, snap->uids[i].buffers);
 	family(f, "bufbroker_uid_bytes", "gauge", "Bytes of live buffers, by owner uid and kind.");
 	for (size_t i = 0; i < snap->n_uids; i++)
-		for (int k = BB_HOST; k <= BB_CUDA; k++)
+		for (int k = 1; k <= BB_KIND_COUNT; k++)
 			fprintf(f,
-				"bufbroker_uid_bytes{uid=\"%" PRIu32 "\",kind=\"%s\"} %" PRIu64 "\n",
-				snap->uids[i].uid, kind_label(k), snap->uids[i].bytes[k]);
+				"bufbroker_uid_bytes{uid=\"%" PRIu32 "\",kind=\"%s\"} %" PRIu64
+				"\n",
+				snap->uids[i].uid, bb_kind_name(k), snap->uids[i].bytes[k]);
 }
 
 /* The per-device gauges. */
@@ -166,7 +147,6 @@ static void device_family(FILE *f, const backend_device *devs, int n, const char
 
 static void render_requests(FILE *f, const metrics_counters *mc)
 {
-	char buf[24];
 	family(f, "bufbroker_requests_total", "counter",
 	       "Requests answered, by op and by the status of the answer.");
 	for (int op = 0; op < METRICS_OPS; op++)
@@ -174,7 +154,7 @@ static void render_requests(FILE *f, const metrics_counters *mc)
 			if (!mc->requests[op][st])
 				continue;
 			fprintf(f, "bufbroker_requests_total{op=\"");
-			put_value(f, op_label(op, buf, sizeof(buf)));
+			put_value(f, bb_op_name(op));
 			fprintf(f, "\",status=\"%s\"} %" PRIu64 "\n", status_label(st),
 				mc->requests[op][st]);
 		}
@@ -187,7 +167,7 @@ static void render_requests(FILE *f, const metrics_counters *mc)
 			count += mc->latency[op][b];
 		if (!count)
 			continue;
-		const char *name = op_label(op, buf, sizeof(buf));
+		const char *name = bb_op_name(op);
 		uint64_t cum = 0;
 		for (int b = 0; b <= METRICS_BUCKETS; b++) {
 			cum += mc->latency[op][b];
@@ -205,7 +185,7 @@ static void render_requests(FILE *f, const metrics_counters *mc)
 }
 
 /* The whole exposition of snap, malloc'ed into *out (*len bytes). 0 or -1. */
-static int render_snapshot(const status_snapshot *snap, char **out, size_t *len)
+static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 {
 	const broker_totals t = snap->totals;
 	const backend_device *devs = snap->devices;
@@ -220,19 +200,18 @@ static int render_snapshot(const status_snapshot *snap, char **out, size_t *len)
 	put_value(f, BB_VERSION_STRING);
 	fprintf(f, "\",protocol=\"%d.%d\"} 1\n", BB_PROTO_MAJOR, BB_PROTO_MINOR);
 	family(f, "bufbroker_uptime_seconds", "gauge", "Seconds since the daemon started serving.");
-	fprintf(f, "bufbroker_uptime_seconds %.3f\n",
-		(double)snap->uptime_ms / 1000.0);
+	fprintf(f, "bufbroker_uptime_seconds %.3f\n", (double)snap->uptime_ms / 1000.0);
 
 	family(f, "bufbroker_connections", "gauge", "Open client connections.");
 	fprintf(f, "bufbroker_connections %" PRIu32 "\n", t.connections);
 	family(f, "bufbroker_buffers", "gauge", "Live buffers, by kind.");
-	for (int k = BB_HOST; k <= BB_CUDA; k++)
-		fprintf(f, "bufbroker_buffers{kind=\"%s\"} %" PRIu64 "\n", kind_label(k),
+	for (int k = 1; k <= BB_KIND_COUNT; k++)
+		fprintf(f, "bufbroker_buffers{kind=\"%s\"} %" PRIu64 "\n", bb_kind_name(k),
 			t.buffers[k]);
 	family(f, "bufbroker_buffer_bytes", "gauge",
 	       "Bytes of live buffers (their sizes), by kind.");
-	for (int k = BB_HOST; k <= BB_CUDA; k++)
-		fprintf(f, "bufbroker_buffer_bytes{kind=\"%s\"} %" PRIu64 "\n", kind_label(k),
+	for (int k = 1; k <= BB_KIND_COUNT; k++)
+		fprintf(f, "bufbroker_buffer_bytes{kind=\"%s\"} %" PRIu64 "\n", bb_kind_name(k),
 			t.bytes[k]);
 	family(f, "bufbroker_tokens", "gauge", "Live tokens (taken, not yet adopted or expired).");
 	fprintf(f, "bufbroker_tokens %" PRIu64 "\n", t.tokens);
@@ -296,30 +275,30 @@ static int render_snapshot(const status_snapshot *snap, char **out, size_t *len)
 }
 
 /* A snapshot of src, rendered. 0 or -1. */
-static int render(const status_sources *src, char **out, size_t *len)
+static int render(const snapshot_sources *src, char **out, size_t *len)
 {
-	status_snapshot snap;
-	if (status_take(src, &snap, true) < 0)
+	snapshot snap;
+	if (snapshot_take(src, &snap, true) < 0)
 		return -1;
 	int rc = render_snapshot(&snap, out, len);
-	status_release(&snap);
+	snapshot_release(&snap);
 	return rc;
 }
 
 /* ---- the endpoint ------------------------------------------------------------------- */
 
 struct metrics_endpoint {
-	const status_sources *src; /* read on the loop thread only */
-	struct MHD_Daemon *mhd; /* the HTTP server and its thread */
-	uv_async_t async;       /* a scrape asks the loop for a snapshot */
-	char addr[64];          /* what it listens on, for logs */
-	pthread_mutex_t mu;     /* guards what follows */
-	pthread_cond_t cv;      /* a snapshot is ready, or stopping */
-	uint64_t asked;         /* snapshots asked for (HTTP thread) */
-	uint64_t answered;      /* the last one rendered (loop thread) */
-	char *text;             /* that snapshot, or NULL */
-	size_t len;             /* its bytes */
-	bool stopping;          /* metrics_stop began: answer 503 */
+	const snapshot_sources *src; /* read on the loop thread only */
+	struct MHD_Daemon *mhd;      /* the HTTP server and its thread */
+	uv_async_t async;            /* a scrape asks the loop for a snapshot */
+	char addr[64];               /* what it listens on, for logs */
+	pthread_mutex_t mu;          /* guards what follows */
+	pthread_cond_t cv;           /* a snapshot is ready, or stopping */
+	uint64_t asked;              /* snapshots asked for (HTTP thread) */
+	uint64_t answered;           /* the last one rendered (loop thread) */
+	char *text;                  /* that snapshot, or NULL */
+	size_t len;                  /* its bytes */
+	bool stopping;               /* metrics_stop began: answer 503 */
 };
 
 /* Loop thread: render what was asked for. */
@@ -347,7 +326,7 @@ static void on_async(uv_async_t *h)
 
 /* HTTP thread: a copy of a snapshot rendered after this call began, or NULL
  * when the loop did not answer in time (or the endpoint is stopping). */
-static char *snapshot(metrics_endpoint *ep, size_t *len)
+static char *scrape(metrics_endpoint *ep, size_t *len)
 {
 	struct timespec deadline;
 	char *copy = NULL;
@@ -419,7 +398,7 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *mc, const char 
 		return respond(mc, MHD_HTTP_NOT_FOUND,
 			       STATIC_BODY("not found: the metrics are at /metrics\n"));
 	size_t len = 0;
-	char *text = snapshot(ep, &len);
+	char *text = scrape(ep, &len);
 	if (!text)
 		return respond(mc, MHD_HTTP_SERVICE_UNAVAILABLE,
 			       STATIC_BODY("the daemon's event loop did not answer within 2 s\n"));
@@ -551,7 +530,7 @@ static void on_async_closed(uv_handle_t *h)
 	endpoint_free(h->data);
 }
 
-metrics_endpoint *metrics_start(uv_loop_t *loop, const status_sources *src,
+metrics_endpoint *metrics_start(uv_loop_t *loop, const snapshot_sources *src,
 				const char *listen_addr)
 {
 	char why[160];

@@ -16,12 +16,15 @@
 #include <stdint.h>
 #include <uv.h>
 
-typedef struct metrics_endpoint metrics_endpoint;
-typedef struct status_sources status_sources; /* status.h */
+#include "status.h"
 
-#define METRICS_OPS 64      /* Request.op_case values counted; larger ones count as 0 */
-#define METRICS_STATUSES 14 /* BB_OK .. BB_ERR_SYSTEM (0 .. -12), then "other" */
-#define METRICS_BUCKETS 17  /* latency buckets from 5 us to 1 s, then +Inf */
+typedef struct metrics_endpoint metrics_endpoint;
+typedef struct snapshot_sources snapshot_sources; /* snapshot.h */
+
+#define METRICS_OPS 64 /* Request.op_case values counted; larger ones count as 0 */
+/* Answers are counted by status: each code of status.h, then "other". */
+#define METRICS_STATUSES (BB_STATUS_COUNT + 1)
+#define METRICS_BUCKETS 17 /* latency buckets from 5 us to 1 s, then +Inf */
 #define METRICS_SCRAPE_TIMEOUT_MS 2000
 
 /* Limits the server enforces itself; the broker counts its own
@@ -61,7 +64,7 @@ void metrics_refused(metrics_counters *mc, metrics_limit limit);
  * NULL with the reason logged (event=metrics_failed: a bad address, a port
  * in use, ...); the daemon serves on without metrics only if the caller
  * chooses to. */
-metrics_endpoint *metrics_start(uv_loop_t *loop, const status_sources *src,
+metrics_endpoint *metrics_start(uv_loop_t *loop, const snapshot_sources *src,
 				const char *listen_addr);
 /* Stop the endpoint: scrapes waiting for the loop get 503 at once, the HTTP
  * thread is joined and the listening socket closed; the loop's next run

@@ -28,7 +28,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "park.h"
-#include "status.h"
+#include "snapshot.h"
 #include "wire.h"
 
 #ifndef SO_PEERGROUPS
@@ -46,7 +46,7 @@ struct server {
 	handler *h;               /* the request layer */
 	codec *codec;             /* the wire */
 	conn_env conns;           /* the transport: every connection */
-	status_sources src;       /* what the snapshot reads */
+	snapshot_sources src;       /* what the snapshot reads */
 	metrics_counters counters; /* requests, latency, refusals (metrics.h) */
 	metrics_endpoint *metrics; /* the HTTP endpoint, or NULL */
 	uint32_t jobs;            /* backend jobs in flight */
@@ -478,7 +478,7 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 	start_cuda(s);
 
 	s->park = park_new(loop, s->b);
-	s->src = (status_sources){
+	s->src = (snapshot_sources){
 		.loop = loop,
 		.started_ms = uv_now(loop),
 		.b = s->b,

@@ -37,6 +37,7 @@
 #include "bufbroker/bufbroker.h"
 #include "client_internal.h"
 #include "cuda_api.h"
+#include "kinds.h"
 #include "wire.h"
 
 enum { EXIT_DAEMON = 1, EXIT_USAGE = 2 };
@@ -163,15 +164,6 @@ static void fmt_duration(uint64_t ms, char *out, size_t cap)
 		snprintf(out, cap, "%" PRIu64 "s", s);
 }
 
-static const char *kind_str(Bufbroker__Kind k)
-{
-	switch (k) {
-	case BUFBROKER__KIND__KIND_HOST: return "host";
-	case BUFBROKER__KIND__KIND_CUDA: return "cuda";
-	default: return "unknown";
-	}
-}
-
 static const char *state_str(Bufbroker__State s)
 {
 	switch (s) {
@@ -273,7 +265,7 @@ static void json_buffer(const Bufbroker__BufferInfo *b)
 	       ",\"state\":\"%s\",\"refs\":%" PRIu64 ",\"tokens\":%" PRIu32
 	       ",\"owner_uid\":%" PRIu32 ",\"owner_gid\":%" PRIu32
 	       ",\"share\":\"%s\",\"age_ms\":%" PRIu64 ",\"error\":",
-	       kind_str(b->kind), b->device, b->size, state_str(b->state), b->refs, b->tokens,
+	       bb_kind_name(b->kind), b->device, b->size, state_str(b->state), b->refs, b->tokens,
 	       b->owner_uid, b->owner_gid, share_str(b->share), b->age_ms);
 	json_str(b->error);
 	putchar('}');
@@ -310,6 +302,21 @@ static int cli_call(bb_client *c, Bufbroker__Request *req, Bufbroker__Response__
 }
 
 /* ---- commands --------------------------------------------------------- */
+
+/* Add a ServerStatus reply's buffers and bytes to buffers[kind] and
+ * bytes[kind]; totals of a kind this CLI does not know are left out. */
+static void kind_totals(const Bufbroker__ServerStatusReply *s, uint64_t buffers[BB_KIND_COUNT + 1],
+			uint64_t bytes[BB_KIND_COUNT + 1])
+{
+	for (size_t i = 0; i < s->n_kinds; i++) {
+		const Bufbroker__KindTotals *k = s->kinds[i];
+
+		if (bb_kind_valid(k->kind)) {
+			buffers[k->kind] += k->buffers;
+			bytes[k->kind] += k->bytes;
+		}
+	}
+}
 
 /* "GPU-xxxxxxxx-..." of a DeviceInfo's uuid, or "-" when it is not 16 bytes. */
 static const char *device_uuid(const Bufbroker__DeviceInfo *d, char out[48])
@@ -377,9 +384,8 @@ static int cmd_status(bb_client *c, bool json)
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	Bufbroker__Response *r;
 	const Bufbroker__ServerStatusReply *s;
-	uint64_t buffers[2] = {0, 0}, bytes[2] = {0, 0}; /* [0] host, [1] cuda */
+	uint64_t buffers[BB_KIND_COUNT + 1] = {0}, bytes[BB_KIND_COUNT + 1] = {0}; /* by kind */
 	char up[64], sz[32];
-	size_t i;
 	int err;
 
 	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
@@ -388,18 +394,7 @@ static int cmd_status(bb_client *c, bool json)
 	if (err)
 		return daemon_error(err);
 	s = r->server_status;
-
-	for (i = 0; i < s->n_kinds; i++) {
-		const Bufbroker__KindTotals *k = s->kinds[i];
-		int slot = k->kind == BUFBROKER__KIND__KIND_HOST   ? 0
-			   : k->kind == BUFBROKER__KIND__KIND_CUDA ? 1
-								   : -1;
-
-		if (slot >= 0) {
-			buffers[slot] += k->buffers;
-			bytes[slot] += k->bytes;
-		}
-	}
+	kind_totals(s, buffers, bytes);
 
 	if (json) {
 		fputs("{\"version\":", stdout);
@@ -409,9 +404,9 @@ static int cmd_status(bb_client *c, bool json)
 		       ",\"waits\":%" PRIu64 ",\"kinds\":{",
 		       s->version_major, s->version_minor, s->pid, s->uptime_ms, s->connections,
 		       s->tokens, s->waits);
-		for (i = 0; i < 2; i++)
+		for (int k = 1; k <= BB_KIND_COUNT; k++)
 			printf("%s\"%s\":{\"buffers\":%" PRIu64 ",\"bytes\":%" PRIu64 "}",
-			       i ? "," : "", i ? "cuda" : "host", buffers[i], bytes[i]);
+			       k > 1 ? "," : "", bb_kind_name(k), buffers[k], bytes[k]);
 		putchar('}');
 		json_devices(s);
 		fputs("}\n", stdout);
@@ -424,10 +419,10 @@ static int cmd_status(bb_client *c, bool json)
 		printf("pid             %" PRIu32 "\n", s->pid);
 		printf("uptime          %s\n", up);
 		printf("connections     %" PRIu32 "\n", s->connections);
-		for (i = 0; i < 2; i++) {
-			fmt_size(bytes[i], sz, sizeof(sz));
+		for (int k = 1; k <= BB_KIND_COUNT; k++) {
+			fmt_size(bytes[k], sz, sizeof(sz));
 			printf("%s buffers    %" PRIu64 " (%s, %" PRIu64 " bytes)\n",
-			       i ? "cuda" : "host", buffers[i], sz, bytes[i]);
+			       bb_kind_name(k), buffers[k], sz, bytes[k]);
 		}
 		printf("live tokens     %" PRIu64 "\n", s->tokens);
 		printf("parked waits    %" PRIu64 "\n", s->waits);
@@ -453,7 +448,7 @@ static void ls_row_fill(const Bufbroker__BufferInfo *b, struct ls_row *row)
 {
 	snprintf(row->cell[COL_ID], 32, "%" PRIu64, b->id);
 	row->name = b->name && *b->name ? b->name : "-";
-	snprintf(row->cell[COL_KIND], 32, "%s", kind_str(b->kind));
+	snprintf(row->cell[COL_KIND], 32, "%s", bb_kind_name(b->kind));
 	if (b->kind == BUFBROKER__KIND__KIND_CUDA)
 		snprintf(row->cell[COL_DEV], 32, "%" PRId32, b->device);
 	else
@@ -676,7 +671,7 @@ static int cmd_stat(bb_client *c, bool json, uint64_t id, const char *name)
 		printf("id        %" PRIu64 "\n", b->id);
 		fputs("name      ", stdout);
 		put_text(b->name && *b->name ? b->name : "-");
-		printf("\nkind      %s\n", kind_str(b->kind));
+		printf("\nkind      %s\n", bb_kind_name(b->kind));
 		printf("device    %" PRId32 "\n", b->device);
 		printf("size      %s (%" PRIu64 " bytes)\n", sz, b->size);
 		printf("state     %s\n", state_str(b->state));
@@ -990,7 +985,7 @@ static int top_frame(bb_client *c, bool tty)
 	Bufbroker__Response *r = NULL;
 	struct clients_pages cp = {0};
 	struct ls_pages lp = {0};
-	uint64_t buffers[2] = {0, 0}, bytes[2] = {0, 0};
+	uint64_t buffers[BB_KIND_COUNT + 1] = {0}, bytes[BB_KIND_COUNT + 1] = {0}; /* by kind */
 	char up[64], a[32], b[32], d[32], e[32];
 	size_t header = 4, limit, i;
 	int err;
@@ -1014,15 +1009,7 @@ static int top_frame(bb_client *c, bool tty)
 		return daemon_error(err);
 	}
 	const Bufbroker__ServerStatusReply *s = r->server_status;
-	for (i = 0; i < s->n_kinds; i++) {
-		int slot = s->kinds[i]->kind == BUFBROKER__KIND__KIND_HOST   ? 0
-			   : s->kinds[i]->kind == BUFBROKER__KIND__KIND_CUDA ? 1
-									     : -1;
-		if (slot >= 0) {
-			buffers[slot] += s->kinds[i]->buffers;
-			bytes[slot] += s->kinds[i]->bytes;
-		}
-	}
+	kind_totals(s, buffers, bytes);
 
 	if (tty)
 		fputs("\033[H\033[2J", stdout); /* home, clear */
@@ -1032,10 +1019,12 @@ static int top_frame(bb_client *c, bool tty)
 	printf(", pid %" PRIu32 ", up %s\n", s->pid, up);
 	printf("connections %" PRIu32 ", live tokens %" PRIu64 ", parked waits %" PRIu64 "\n",
 	       s->connections, s->tokens, s->waits);
-	fmt_size(bytes[0], a, sizeof(a));
-	fmt_size(bytes[1], b, sizeof(b));
-	printf("host %" PRIu64 " buffers, %s; cuda %" PRIu64 " buffers, %s\n", buffers[0], a,
-	       buffers[1], b);
+	for (int k = 1; k <= BB_KIND_COUNT; k++) {
+		fmt_size(bytes[k], a, sizeof(a));
+		printf("%s%s %" PRIu64 " buffers, %s", k > 1 ? "; " : "", bb_kind_name(k),
+		       buffers[k], a);
+	}
+	putchar('\n');
 	if (s->cuda && *s->cuda) {
 		fputs("cuda unavailable: ", stdout);
 		put_text(s->cuda);
@@ -1294,11 +1283,8 @@ static int ls_filter_parse(const struct cli *cli, struct ls_filter *f)
 					   cli->state_arg);
 	}
 	if (cli->kind_arg) {
-		if (strcmp(cli->kind_arg, "host") == 0)
-			f->kind = BUFBROKER__KIND__KIND_HOST;
-		else if (strcmp(cli->kind_arg, "cuda") == 0)
-			f->kind = BUFBROKER__KIND__KIND_CUDA;
-		else
+		f->kind = bb_kind_parse(cli->kind_arg);
+		if (!f->kind)
 			return usage_error("--kind is host or cuda, not '%s'", cli->kind_arg);
 	}
 	return 0;

@@ -248,8 +248,13 @@ int bb_stat(bb_client *c, uint64_t id, bb_info *out);
 int bb_retain(bb_client *c, uint64_t id, uint32_t count);
 int bb_release(bb_client *c, uint64_t id, uint32_t count);
 
-/* A static sentence for an error code ("no such buffer, name or token"). */
+/* A static sentence for an error code ("no such buffer, name or token");
+ * "unknown error" for a code this library does not know. */
 const char *bb_strerror(int err);
+/* The static name of an error code: its constant without the prefix, as
+ * the daemon's logs and metrics write it ("NOT_FOUND" for BB_ERR_NOT_FOUND,
+ * "OK" for BB_OK); "UNKNOWN" for a code this library does not know. */
+const char *bb_err_name(int err);
 /* The calling thread's last failure, with the daemon's message when it gave
  * one; "" before any failure. */
 const char *bb_last_error(void);

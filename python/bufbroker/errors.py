@@ -6,6 +6,10 @@ chosen by its ``BB_ERR_*`` code; ``.code`` is that (negative) code and
 the daemon's own sentence when it gave one.
 """
 
+# The codes, their sentences and classes mirror libbufbroker's table
+# (common/status.c): python/tests/test_errors.py checks them against the
+# library's bb_err_name and bb_strerror, so a code added there fails it
+# until it is added here.
 OK = 0
 ERR_INVALID = -1
 ERR_NOT_FOUND = -2

@@ -1,6 +1,7 @@
 """Errors: classes by BB_ERR code, code and message carried, the daemon gone,
 library loading, forked children."""
 
+import ctypes
 import gc
 import os
 import pickle
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 import bufbroker
+from bufbroker import _native, errors
 from conftest import child_env
 
 CODES = {
@@ -37,6 +39,38 @@ def test_every_code_has_its_exception_class():
         assert e.code == code
         assert e.message == bufbroker.strerror(code), "an empty message falls back to bb_strerror"
     assert bufbroker.error_class(-99) is bufbroker.BufbrokerError
+
+
+def c_status_table():
+    """[(code, name, sentence)] for every code libbufbroker knows, from its
+    own table (common/status.c) through bb_err_name and bb_strerror."""
+    so = ctypes.CDLL(_native.lib()._name)  # its own prototypes, not the package's
+    so.bb_err_name.restype = ctypes.c_char_p
+    so.bb_err_name.argtypes = [ctypes.c_int]
+    rows = []
+    for code in range(0, -256, -1):
+        name = so.bb_err_name(code).decode()
+        if name != "UNKNOWN":
+            rows.append((code, name, bufbroker.strerror(code)))
+    return rows
+
+
+def test_errors_py_has_every_code_of_the_c_table_and_no_other():
+    rows = c_status_table()
+    assert rows[0][:2] == (0, "OK") and len(rows) > 1
+    constants = {k: v for k, v in vars(errors).items() if k == "OK" or k.startswith("ERR_")}
+    for code, name, sentence in rows:
+        const = "OK" if code == 0 else "ERR_" + name
+        assert constants.get(const) == code, f"errors.py needs {const} = {code}"
+        assert getattr(bufbroker, const) == code and const in bufbroker.__all__, f"bufbroker.{const}"
+        assert errors._STRERROR.get(code) == sentence, f"errors.py's sentence for {const}"
+        if code:
+            cls = errors.error_class(code)
+            assert cls.default_code == code, f"no exception class for {const}"
+            assert cls.__doc__.startswith(f"BB_ERR_{name}:"), f"{cls.__name__}'s docstring"
+    c_codes = {code for code, _, _ in rows}
+    assert set(constants.values()) == c_codes, "errors.py has codes the library does not"
+    assert set(errors._STRERROR) == c_codes
 
 
 def test_exceptions_survive_pickling():

@@ -43,8 +43,8 @@
 #include "fuzz_input.h"
 #include "log.h"
 #include "msgio.h"
-#include "handler.h"
 #include "server.h"
+#include "status.h"
 #include "wire.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -219,10 +219,10 @@ static void check_response(fuzz_run *fr, int i, const unsigned char *buf, size_t
 		fail("response %llu has no status", (unsigned long long)r->id);
 	if (g.trace)
 		fprintf(stderr, "  client %d <- id=%llu status=%s result=%d%s \"%s\"\n", i,
-			(unsigned long long)r->id, handler_status_name(r->status->code),
+			(unsigned long long)r->id, bb_err_name(r->status->code),
 			(int)r->result_case, fd >= 0 ? " +fd" : "",
 			r->status->message ? r->status->message : "");
-	if (strcmp(handler_status_name(r->status->code), "UNKNOWN") == 0)
+	if (strcmp(bb_err_name(r->status->code), "UNKNOWN") == 0)
 		fail("response %llu has status code %d", (unsigned long long)r->id,
 		     r->status->code);
 	bool host_grant = r->result_case == BUFBROKER__RESPONSE__RESULT_GRANT && r->grant->info &&

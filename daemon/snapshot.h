@@ -6,8 +6,8 @@
  *
  * Loop thread only (the broker is not thread-safe).
  */
-#ifndef BB_STATUS_H
-#define BB_STATUS_H
+#ifndef BB_SNAPSHOT_H
+#define BB_SNAPSHOT_H
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -19,10 +19,10 @@
 #include "park.h"
 
 /* The most devices a snapshot lists. */
-#define STATUS_DEVICES_MAX 64
+#define SNAPSHOT_DEVICES_MAX 64
 
 /* Where a snapshot is read from: set up by the server, read-only here. */
-typedef struct status_sources {
+typedef struct snapshot_sources {
 	uv_loop_t *loop;                   /* its clock, for the uptime */
 	uint64_t started_ms;               /* uv_now when the daemon started serving */
 	broker *b;                         /* buffers, connections, tokens, limits */
@@ -31,33 +31,33 @@ typedef struct status_sources {
 	const char *cuda_why;              /* why CUDA is not served; "" when it is */
 	const park *park;                  /* parked allocs */
 	const metrics_counters *counters;  /* requests, latency, the server's refusals */
-} status_sources;
+} snapshot_sources;
 
 /* Live buffers of one owner uid. */
-typedef struct status_uid {
+typedef struct snapshot_uid {
 	uint32_t uid;                  /* the owner */
 	uint64_t buffers;              /* its live buffers */
 	uint64_t bytes[BROKER_KINDS];  /* their bytes, by kind */
-} status_uid;
+} snapshot_uid;
 
-typedef struct status_snapshot {
+typedef struct snapshot {
 	uint64_t uptime_ms;                          /* since the daemon started serving */
 	broker_totals totals;                        /* the broker's */
 	uint64_t parked_allocs;                      /* allocs waiting for a backend job */
 	backend_host_pool_stats pool;                /* the host memfd reuse pool */
-	backend_device devices[STATUS_DEVICES_MAX];  /* CUDA devices served */
+	backend_device devices[SNAPSHOT_DEVICES_MAX];  /* CUDA devices served */
 	int n_devices;                               /* entries of devices */
 	const char *cuda_why;                        /* why CUDA is not served; "" when it is */
 	const metrics_counters *counters;            /* the counters (not copied) */
-	status_uid *uids;                            /* with_uids: per owner uid, malloc'ed */
+	snapshot_uid *uids;                            /* with_uids: per owner uid, malloc'ed */
 	size_t n_uids;                               /* entries of uids */
-} status_snapshot;
+} snapshot;
 
 /* Fill *out from src; with_uids also lists the owner uids (in no
  * particular order). 0, or -1 out of memory (*out is then empty and needs
  * no release). */
-int status_take(const status_sources *src, status_snapshot *out, bool with_uids);
-/* Free what status_take allocated in *s. */
-void status_release(status_snapshot *s);
+int snapshot_take(const snapshot_sources *src, snapshot *out, bool with_uids);
+/* Free what snapshot_take allocated in *s. */
+void snapshot_release(snapshot *s);
 
-#endif /* BB_STATUS_H */
+#endif /* BB_SNAPSHOT_H */

@@ -1,13 +1,13 @@
 /*
  * The daemon's snapshot: read from the sources on the loop thread.
  */
-#include "status.h"
+#include "snapshot.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 typedef struct uid_acc {
-	status_snapshot *s; /* where rows go */
+	snapshot *s; /* where rows go */
 	size_t cap;         /* rows allocated */
 	bool failed;        /* out of memory */
 } uid_acc;
@@ -19,7 +19,7 @@ static void uid_row(uint32_t uid, uint64_t buffers, const uint64_t bytes[BROKER_
 		return;
 	if (a->s->n_uids == a->cap) {
 		size_t cap = a->cap ? a->cap * 2 : 16;
-		status_uid *rows = realloc(a->s->uids, cap * sizeof(*rows));
+		snapshot_uid *rows = realloc(a->s->uids, cap * sizeof(*rows));
 		if (!rows) {
 			a->failed = true;
 			return;
@@ -27,13 +27,13 @@ static void uid_row(uint32_t uid, uint64_t buffers, const uint64_t bytes[BROKER_
 		a->s->uids = rows;
 		a->cap = cap;
 	}
-	status_uid *r = &a->s->uids[a->s->n_uids++];
+	snapshot_uid *r = &a->s->uids[a->s->n_uids++];
 	r->uid = uid;
 	r->buffers = buffers;
 	memcpy(r->bytes, bytes, sizeof(r->bytes));
 }
 
-int status_take(const status_sources *src, status_snapshot *out, bool with_uids)
+int snapshot_take(const snapshot_sources *src, snapshot *out, bool with_uids)
 {
 	memset(out, 0, sizeof(*out));
 	out->uptime_ms = uv_now(src->loop) - src->started_ms;
@@ -41,21 +41,21 @@ int status_take(const status_sources *src, status_snapshot *out, bool with_uids)
 	out->parked_allocs = park_allocs_count(src->park);
 	backend_host_pool_info(src->host, &out->pool);
 	if (src->cuda && src->cuda->devices)
-		out->n_devices = src->cuda->devices(src->cuda, out->devices, STATUS_DEVICES_MAX);
+		out->n_devices = src->cuda->devices(src->cuda, out->devices, SNAPSHOT_DEVICES_MAX);
 	out->cuda_why = src->cuda_why;
 	out->counters = src->counters;
 	if (with_uids) {
 		uid_acc a = {.s = out};
 		broker_uid_usage(src->b, uid_row, &a);
 		if (a.failed) {
-			status_release(out);
+			snapshot_release(out);
 			return -1;
 		}
 	}
 	return 0;
 }
 
-void status_release(status_snapshot *s)
+void snapshot_release(snapshot *s)
 {
 	free(s->uids);
 	s->uids = NULL;
