@@ -45,8 +45,8 @@ int main(int argc, char **argv)
 	bb_buf *held;
 	bb_info info;
 
-	if (argc != 3 || (strcmp(argv[1], "rt") && strcmp(argv[1], "alloc") &&
-			  strcmp(argv[1], "mt"))) {
+	if (argc != 3 ||
+	    (strcmp(argv[1], "rt") && strcmp(argv[1], "alloc") && strcmp(argv[1], "mt"))) {
 		fprintf(stderr, "usage: cgloop rt|alloc|mt N\n");
 		return 2;
 	}

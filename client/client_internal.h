@@ -16,8 +16,7 @@
  * closes it; fd_in may be NULL, then it is closed here). Otherwise
  * BB_ERR_DISCONNECTED / BB_ERR_PROTOCOL, with bb_last_error set. The
  * response's Status is not interpreted. */
-int bbc_call(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker__Response **resp,
-	     int *fd_in);
+int bbc_call(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker__Response **resp, int *fd_in);
 void bbc_response_free(Bufbroker__Response *r);
 
 /* Record a failure for bb_last_error() on this thread; returns code. */

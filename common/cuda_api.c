@@ -39,8 +39,14 @@ struct sym {
 	int required;
 };
 
-#define REQ(field, name) {name, offsetof(bb_cuda, field), 1}
-#define OPT(field, name) {name, offsetof(bb_cuda, field), 0}
+#define REQ(field, name)                          \
+	{                                         \
+		name, offsetof(bb_cuda, field), 1 \
+	}
+#define OPT(field, name)                          \
+	{                                         \
+		name, offsetof(bb_cuda, field), 0 \
+	}
 
 static const struct sym syms[] = {
 	REQ(Init, "cuInit"),
@@ -120,7 +126,7 @@ const char *bb_cuda_error(const bb_cuda *api, CUresult rc, char *buf, size_t len
 
 void bb_cuda_uuid_format(const unsigned char u[16], char *out)
 {
-	sprintf(out, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
-		u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-		u[14], u[15]);
+	sprintf(out, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+		u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12],
+		u[13], u[14], u[15]);
 }

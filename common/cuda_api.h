@@ -16,8 +16,8 @@
 #ifdef BB_HAVE_CUDA_H
 #include <cuda.h>
 #else
-typedef int CUresult;                  /* CUDA_SUCCESS = 0 */
-typedef int CUdevice;                  /* device ordinal as this process numbers it */
+typedef int CUresult;                   /* CUDA_SUCCESS = 0 */
+typedef int CUdevice;                   /* device ordinal as this process numbers it */
 typedef unsigned long long CUdeviceptr; /* device address (64-bit) */
 typedef struct CUctx_st *CUcontext;
 typedef struct CUuuid_st {
@@ -57,17 +57,18 @@ typedef struct bb_cuda {
 	CUresult (*DeviceGetCount)(int *count);
 	CUresult (*DeviceGet)(CUdevice *dev, int ordinal);
 	CUresult (*DeviceGetName)(char *name, int len, CUdevice dev);
-	CUresult (*DeviceGetUuid)(CUuuid *uuid, CUdevice dev);                 /* cuDeviceGetUuid_v2 */
-	CUresult (*DeviceTotalMem)(size_t *bytes, CUdevice dev);               /* cuDeviceTotalMem_v2 */
+	CUresult (*DeviceGetUuid)(CUuuid *uuid, CUdevice dev);   /* cuDeviceGetUuid_v2 */
+	CUresult (*DeviceTotalMem)(size_t *bytes, CUdevice dev); /* cuDeviceTotalMem_v2 */
 	CUresult (*DevicePrimaryCtxRetain)(CUcontext *ctx, CUdevice dev);
-	CUresult (*DevicePrimaryCtxRelease)(CUdevice dev);                     /* _v2 */
+	CUresult (*DevicePrimaryCtxRelease)(CUdevice dev); /* _v2 */
 	CUresult (*CtxSetCurrent)(CUcontext ctx);
 	CUresult (*CtxGetCurrent)(CUcontext *ctx);
-	CUresult (*MemAlloc)(CUdeviceptr *dptr, size_t bytes);                 /* cuMemAlloc_v2 */
-	CUresult (*MemFree)(CUdeviceptr dptr);                                 /* cuMemFree_v2 */
-	CUresult (*MemGetInfo)(size_t *free_bytes, size_t *total_bytes);       /* cuMemGetInfo_v2 */
+	CUresult (*MemAlloc)(CUdeviceptr *dptr, size_t bytes);           /* cuMemAlloc_v2 */
+	CUresult (*MemFree)(CUdeviceptr dptr);                           /* cuMemFree_v2 */
+	CUresult (*MemGetInfo)(size_t *free_bytes, size_t *total_bytes); /* cuMemGetInfo_v2 */
 	CUresult (*IpcGetMemHandle)(CUipcMemHandle *h, CUdeviceptr dptr);
-	CUresult (*IpcOpenMemHandle)(CUdeviceptr *dptr, CUipcMemHandle h, unsigned int flags); /* _v2 */
+	CUresult (*IpcOpenMemHandle)(CUdeviceptr *dptr, CUipcMemHandle h,
+				     unsigned int flags); /* _v2 */
 	CUresult (*IpcCloseMemHandle)(CUdeviceptr dptr);
 	CUresult (*GetErrorName)(CUresult err, const char **str);
 	CUresult (*GetErrorString)(CUresult err, const char **str);

@@ -137,7 +137,8 @@ bool flat_refs_req_decode(const uint8_t *p, size_t n, flat_refs_req *out)
 			if (!get_bool(&p, end, &out->no_reply))
 				return false;
 			have_nr = true;
-		} else if ((tag == TAG(FLAT_OP_RETAIN, WT_LEN) || tag == TAG(FLAT_OP_RELEASE, WT_LEN)) &&
+		} else if ((tag == TAG(FLAT_OP_RETAIN, WT_LEN) ||
+			    tag == TAG(FLAT_OP_RELEASE, WT_LEN)) &&
 			   !out->op) {
 			if (!get_len(&p, end, &sub_end) ||
 			    !get_refs_body(p, sub_end, &out->buf_id, &out->count))

@@ -31,11 +31,11 @@
 
 /* A Retain or Release request. */
 typedef struct flat_refs_req {
-	uint64_t id;       /* Request.id */
-	bool no_reply;     /* Request.no_reply */
-	int op;            /* FLAT_OP_RETAIN or FLAT_OP_RELEASE */
-	uint64_t buf_id;   /* Retain.id / Release.id */
-	uint32_t count;    /* Retain.count / Release.count */
+	uint64_t id;     /* Request.id */
+	bool no_reply;   /* Request.no_reply */
+	int op;          /* FLAT_OP_RETAIN or FLAT_OP_RELEASE */
+	uint64_t buf_id; /* Retain.id / Release.id */
+	uint32_t count;  /* Retain.count / Release.count */
 } flat_refs_req;
 
 /* A successful RefsReply response (Status code 0, message ""). */

@@ -116,8 +116,8 @@ int msgio_recv_batch(int sock, msgio_slot *slots, unsigned n)
 	if (n == 1) {
 		/* recvmsg: the same datagram as a recvmmsg of one, for less work
 		 * in the kernel and none setting up the vector. */
-		ssize_t len = recv_one(sock, slots[0].buf, slots[0].cap, MSG_DONTWAIT,
-				       &slots[0].fd, &slots[0].truncated);
+		ssize_t len = recv_one(sock, slots[0].buf, slots[0].cap, MSG_DONTWAIT, &slots[0].fd,
+				       &slots[0].truncated);
 		if (len < 0)
 			return (int)len;
 		slots[0].len = (size_t)len;

@@ -11,21 +11,21 @@
 
 /* The memory behind one buffer, as a backend describes it. */
 typedef struct backend_mem {
-	int fd;         /* host: the sealed memfd the daemon keeps; -1 otherwise */
-	uint32_t uid;   /* host: the uid alloc was asked for (the reuse pool's key);
+	int fd;        /* host: the sealed memfd the daemon keeps; -1 otherwise */
+	uint32_t uid;  /* host: the uid alloc was asked for (the reuse pool's key);
 			 * in the padding after fd, so the struct stays 24 bytes */
-	uint64_t size;  /* bytes usable by clients */
-	void *priv;     /* backend's own bookkeeping */
+	uint64_t size; /* bytes usable by clients */
+	void *priv;    /* backend's own bookkeeping */
 } backend_mem;
 
 /* What a client needs to map a buffer: attached to Alloc/Open/Adopt answers. */
 typedef struct backend_export {
-	int fd;                          /* borrowed fd to attach, or -1 */
-	unsigned char ipc_handle[64];    /* CUDA: cudaIpcMemHandle_t bytes */
-	int has_ipc;                     /* 1 when ipc_handle is meaningful */
-	uint64_t offset;                 /* CUDA: start inside the allocation */
-	unsigned char device_uuid[16];   /* CUDA: device the memory lives on */
-	uint64_t allocation;             /* CUDA: identity of the allocation */
+	int fd;                        /* borrowed fd to attach, or -1 */
+	unsigned char ipc_handle[64];  /* CUDA: cudaIpcMemHandle_t bytes */
+	int has_ipc;                   /* 1 when ipc_handle is meaningful */
+	uint64_t offset;               /* CUDA: start inside the allocation */
+	unsigned char device_uuid[16]; /* CUDA: device the memory lives on */
+	uint64_t allocation;           /* CUDA: identity of the allocation */
 } backend_export;
 
 typedef struct backend backend;
@@ -70,13 +70,13 @@ struct backend {
 	/* Adopt memory a client handed over as fd (the caller keeps its own fd;
 	 * the backend duplicates what it keeps). NULL when the kind cannot be
 	 * imported. */
-	int (*import_fd)(backend *be, int fd, uint64_t size, backend_mem *out,
-			 char *err, size_t errlen);
+	int (*import_fd)(backend *be, int fd, uint64_t size, backend_mem *out, char *err,
+			 size_t errlen);
 	/* Return the memory. Never fails. */
 	void (*free)(backend *be, backend_mem *mem);
 	/* Describe mem for a client. 0 or BB_ERR_*. */
-	int (*export_mem)(backend *be, const backend_mem *mem, backend_export *out,
-			  char *err, size_t errlen);
+	int (*export_mem)(backend *be, const backend_mem *mem, backend_export *out, char *err,
+			  size_t errlen);
 	/* mem's export is going to a process whose uid is not the owner's,
 	 * which may keep it forever: never reuse mem's memory for another
 	 * buffer. May be NULL (the backend reuses nothing it exported). */

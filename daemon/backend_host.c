@@ -85,7 +85,7 @@ static int sys_fail(char *err, size_t errlen, const char *what)
 	int e = errno;
 	snprintf(err, errlen, "%s: %s", what, strerror(e));
 	return (e == ENOMEM || e == EMFILE || e == ENFILE || e == ENOSPC) ? BB_ERR_NO_MEMORY
-									 : BB_ERR_SYSTEM;
+									  : BB_ERR_SYSTEM;
 }
 
 /* The file size for a buffer of size bytes: whole pages. A size too large
@@ -305,17 +305,20 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 	struct stat st;
 	int seals = fcntl(fd, F_GET_SEALS);
 	if (seals < 0) {
-		snprintf(err, errlen, "the fd is not a memfd that allows sealing "
-				      "(create it with memfd_create(..., MFD_ALLOW_SEALING))");
+		snprintf(err, errlen,
+			 "the fd is not a memfd that allows sealing "
+			 "(create it with memfd_create(..., MFD_ALLOW_SEALING))");
 		return BB_ERR_INVALID;
 	}
 	if (seals & F_SEAL_SEAL) {
-		snprintf(err, errlen, "the memfd does not accept new seals (F_SEAL_SEAL is set, "
-				      "or it was made without MFD_ALLOW_SEALING)");
+		snprintf(err, errlen,
+			 "the memfd does not accept new seals (F_SEAL_SEAL is set, "
+			 "or it was made without MFD_ALLOW_SEALING)");
 		return BB_ERR_INVALID;
 	}
 	if (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) {
-		snprintf(err, errlen, "the memfd carries a write seal; others could not map it writable");
+		snprintf(err, errlen,
+			 "the memfd carries a write seal; others could not map it writable");
 		return BB_ERR_INVALID;
 	}
 	int fl = fcntl(fd, F_GETFL);

@@ -101,35 +101,35 @@ _Static_assert(sizeof(void *) != 8 || sizeof(struct broker_buf) <= 136,
 static char error_unstored[] = "failed (the daemon had no memory to keep the message)";
 
 struct broker_conn {
-	uint32_t uid, gid, pid;    /* SO_PEERCRED */
-	idmap holdings;            /* item: a buffer; value: this connection's count (> 0) */
-	broker_buf *produced;      /* buffers it allocated, still PENDING */
-	token *tokens;             /* tokens it made that are live */
-	uint32_t ntokens;          /* length of tokens */
-	broker_waiter *waiters;    /* its parked waits */
-	uint32_t nwaits;           /* length of waiters */
-	uint64_t opened_ms;        /* when it opened, for its age */
-	broker_conn *prev, *next;  /* broker.conns */
+	uint32_t uid, gid, pid;   /* SO_PEERCRED */
+	idmap holdings;           /* item: a buffer; value: this connection's count (> 0) */
+	broker_buf *produced;     /* buffers it allocated, still PENDING */
+	token *tokens;            /* tokens it made that are live */
+	uint32_t ntokens;         /* length of tokens */
+	broker_waiter *waiters;   /* its parked waits */
+	uint32_t nwaits;          /* length of waiters */
+	uint64_t opened_ms;       /* when it opened, for its age */
+	broker_conn *prev, *next; /* broker.conns */
 };
 
 struct broker {
-	broker_config cfg;                /* clock, random source */
-	broker_limits limits;             /* in force */
-	backend *be[BROKER_KINDS];        /* per kind; NULL = unsupported */
-	char why[BROKER_KINDS][160];      /* why a kind is unsupported */
-	idmap by_id;                      /* all live buffers */
-	buf_name *by_name;                /* the named ones */
-	token *tokens;                    /* live tokens by value */
-	token *token_fifo;                /* live tokens, oldest first */
-	uid_usage *uids;                  /* usage per uid */
-	uid_tokens *uid_tokens;           /* live tokens per maker uid */
-	broker_conn *conns;               /* open connections */
-	uint32_t nconns;                  /* length of conns */
-	uint64_t next_id;                 /* next buffer id */
-	uint64_t ntokens;                 /* live tokens */
-	uint64_t nwaits;                  /* parked waits */
-	uint64_t buffers[BROKER_KINDS];   /* live buffers per kind */
-	uint64_t bytes[BROKER_KINDS];     /* their bytes */
+	broker_config cfg;                    /* clock, random source */
+	broker_limits limits;                 /* in force */
+	backend *be[BROKER_KINDS];            /* per kind; NULL = unsupported */
+	char why[BROKER_KINDS][160];          /* why a kind is unsupported */
+	idmap by_id;                          /* all live buffers */
+	buf_name *by_name;                    /* the named ones */
+	token *tokens;                        /* live tokens by value */
+	token *token_fifo;                    /* live tokens, oldest first */
+	uid_usage *uids;                      /* usage per uid */
+	uid_tokens *uid_tokens;               /* live tokens per maker uid */
+	broker_conn *conns;                   /* open connections */
+	uint32_t nconns;                      /* length of conns */
+	uint64_t next_id;                     /* next buffer id */
+	uint64_t ntokens;                     /* live tokens */
+	uint64_t nwaits;                      /* parked waits */
+	uint64_t buffers[BROKER_KINDS];       /* live buffers per kind */
+	uint64_t bytes[BROKER_KINDS];         /* their bytes */
 	uint64_t refused[BROKER_LIMIT_COUNT]; /* requests each limit refused */
 };
 
@@ -300,7 +300,7 @@ static const char *buf_error(const broker_buf *buf)
 static void wake_all(broker *b, broker_buf *buf, int code)
 {
 	broker_waiter *w, *tmp;
-	DL_FOREACH_SAFE(buf->waiters, w, tmp) {
+	DL_FOREACH_SAFE (buf->waiters, w, tmp) {
 		DL_DELETE(buf->waiters, w);
 		DL_DELETE2(w->conn->waiters, w, cprev, cnext);
 		w->conn->nwaits--;
@@ -418,9 +418,10 @@ static int reach(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, br
 		return fail(err, BB_ERR_NOT_FOUND, "no buffer with id %" PRIu64, id);
 	if (!may_see(buf, conn))
 		return fail(err, BB_ERR_DENIED,
-			    "buffer %" PRIu64 " belongs to uid %u and is shared by %s; uid %u may not use it",
-			    id, buf->owner_uid,
-			    buf->share == BB_SHARE_GID ? "gid" : "uid", conn->uid);
+			    "buffer %" PRIu64
+			    " belongs to uid %u and is shared by %s; uid %u may not use it",
+			    id, buf->owner_uid, buf->share == BB_SHARE_GID ? "gid" : "uid",
+			    conn->uid);
 	*out = buf;
 	return 0;
 }
@@ -429,11 +430,13 @@ static int check_name(const char *name, broker_error *err)
 {
 	size_t n = strlen(name);
 	if (n > BB_NAME_MAX)
-		return fail(err, BB_ERR_INVALID, "name is %zu bytes; the limit is %d", n, BB_NAME_MAX);
+		return fail(err, BB_ERR_INVALID, "name is %zu bytes; the limit is %d", n,
+			    BB_NAME_MAX);
 	for (size_t i = 0; i < n; i++) {
 		unsigned char c = (unsigned char)name[i];
 		if (c < 0x20 || c == 0x7f)
-			return fail(err, BB_ERR_INVALID, "name contains a control character at byte %zu", i);
+			return fail(err, BB_ERR_INVALID,
+				    "name contains a control character at byte %zu", i);
 	}
 	return 0;
 }
@@ -481,8 +484,8 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	    have_bytes > b->limits.uid_bytes[req->kind] - req->size) {
 		b->refused[BROKER_LIMIT_UID_BYTES]++;
 		/* The sum may pass the limit by less than the rounding shows. */
-		uint64_t would = req->size > UINT64_MAX - have_bytes ? UINT64_MAX
-								     : have_bytes + req->size;
+		uint64_t would =
+			req->size > UINT64_MAX - have_bytes ? UINT64_MAX : have_bytes + req->size;
 		human_pair(would, b->limits.uid_bytes[req->kind], h1, h2);
 		return fail(err, BB_ERR_NO_MEMORY,
 			    "uid %u would hold %s of %s buffers; the limit is %s (--uid-%s-bytes)",
@@ -537,7 +540,8 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	buf->producer = conn;
 	DL_APPEND2(conn->produced, buf, pprev, pnext);
 	if (buf->name)
-		HASH_ADD_KEYPTR(hh, b->by_name, buf->name->text, strlen(buf->name->text), buf->name);
+		HASH_ADD_KEYPTR(hh, b->by_name, buf->name->text, strlen(buf->name->text),
+				buf->name);
 	u->buffers++;
 	u->bytes[buf->kind] += buf->size;
 	b->buffers[buf->kind]++;
@@ -663,9 +667,10 @@ int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 			    "this connection holds no buffer with id %" PRIu64, id);
 	if (conn->ntokens >= b->limits.conn_tokens) {
 		b->refused[BROKER_LIMIT_CONN_TOKENS]++;
-		return fail(err, BB_ERR_NO_MEMORY,
-			    "the connection would have %u live tokens; the limit is %u (--conn-tokens)",
-			    conn->ntokens + 1, b->limits.conn_tokens);
+		return fail(
+			err, BB_ERR_NO_MEMORY,
+			"the connection would have %u live tokens; the limit is %u (--conn-tokens)",
+			conn->ntokens + 1, b->limits.conn_tokens);
 	}
 	uid_tokens *ut;
 	HASH_FIND(hh, b->uid_tokens, &conn->uid, sizeof(conn->uid), ut);
@@ -766,7 +771,8 @@ static int settle_check(broker *b, broker_conn *conn, uint64_t id, broker_buf **
 		return fail(err, BB_ERR_NOT_FOUND, "no buffer with id %" PRIu64, id);
 	if (buf->producer != conn && !find_holding(conn, id))
 		return fail(err, BB_ERR_DENIED,
-			    "only the producer or a holder may change buffer %" PRIu64 "'s state", id);
+			    "only the producer or a holder may change buffer %" PRIu64 "'s state",
+			    id);
 	if (buf->state != BB_PENDING)
 		return fail(err, BB_ERR_STATE, "buffer %" PRIu64 " is already %s", id,
 			    buf->state == BB_READY ? "ready" : "failed");
@@ -809,9 +815,10 @@ int broker_wait(broker *b, broker_conn *conn, uint64_t id, broker_waiter *w, bb_
 	}
 	if (conn->nwaits >= b->limits.conn_waits) {
 		b->refused[BROKER_LIMIT_CONN_WAITS]++;
-		return fail(err, BB_ERR_NO_MEMORY,
-			    "the connection would have %u parked waits; the limit is %u (--conn-waits)",
-			    conn->nwaits + 1, b->limits.conn_waits);
+		return fail(
+			err, BB_ERR_NO_MEMORY,
+			"the connection would have %u parked waits; the limit is %u (--conn-waits)",
+			conn->nwaits + 1, b->limits.conn_waits);
 	}
 	w->conn = conn;
 	w->buf = buf;
@@ -863,16 +870,17 @@ void broker_conn_close(broker *b, broker_conn *conn)
 {
 	broker_waiter *w, *wtmp;
 	DL_FOREACH_SAFE2(conn->waiters, w, wtmp, cnext)
-		broker_wait_cancel(b, w);
+	broker_wait_cancel(b, w);
 
 	/* Fail what it was producing before its references go, so that other
 	 * holders' waiters learn why rather than finding the buffer gone. */
 	broker_buf *buf, *btmp;
 	DL_FOREACH_SAFE2(conn->produced, buf, btmp, pnext)
-		settle(b, buf, BB_FAILED, "producer disconnected");
+	settle(b, buf, BB_FAILED, "producer disconnected");
 
 	token *t, *ttmp;
-	DL_FOREACH_SAFE2(conn->tokens, t, ttmp, mnext) {
+	DL_FOREACH_SAFE2(conn->tokens, t, ttmp, mnext)
+	{
 		DL_DELETE2(conn->tokens, t, mprev, mnext);
 		t->maker = NULL;
 	}
@@ -952,7 +960,8 @@ int broker_buf_export(broker *b, const broker_buf *buf, backend_export *out, bro
 	out->fd = -1;
 	int rc = buf->be->export_mem(buf->be, &buf->mem, out, msg, sizeof(msg));
 	if (rc)
-		return fail(err, rc, "%s", msg[0] ? msg : "the backend could not export the buffer");
+		return fail(err, rc, "%s",
+			    msg[0] ? msg : "the backend could not export the buffer");
 	return 0;
 }
 
@@ -1065,9 +1074,12 @@ void broker_totals_get(broker *b, broker_totals *out)
 const char *broker_limit_name(broker_limit limit)
 {
 	static const char *names[BROKER_LIMIT_COUNT] = {
-		[BROKER_LIMIT_CONNECTIONS] = "connections", [BROKER_LIMIT_UID_BUFFERS] = "uid_buffers",
-		[BROKER_LIMIT_UID_BYTES] = "uid_bytes",     [BROKER_LIMIT_CONN_TOKENS] = "conn_tokens",
-		[BROKER_LIMIT_CONN_WAITS] = "conn_waits",   [BROKER_LIMIT_UID_TOKENS] = "uid_tokens",
+		[BROKER_LIMIT_CONNECTIONS] = "connections",
+		[BROKER_LIMIT_UID_BUFFERS] = "uid_buffers",
+		[BROKER_LIMIT_UID_BYTES] = "uid_bytes",
+		[BROKER_LIMIT_CONN_TOKENS] = "conn_tokens",
+		[BROKER_LIMIT_CONN_WAITS] = "conn_waits",
+		[BROKER_LIMIT_UID_TOKENS] = "uid_tokens",
 	};
 	return (unsigned)limit < BROKER_LIMIT_COUNT ? names[limit] : NULL;
 }
@@ -1139,8 +1151,8 @@ int broker_check(broker *b, char *report, size_t len)
 		if (find_buf(b, buf->id) != buf)
 			PROBLEM("buffer %" PRIu64 ": its id does not lead back to it", buf->id);
 		if (buf->name && find_name(b, buf->name->text) != buf)
-			PROBLEM("buffer %" PRIu64 ": its name \"%s\" does not lead back to it", buf->id,
-				buf->name->text);
+			PROBLEM("buffer %" PRIu64 ": its name \"%s\" does not lead back to it",
+				buf->id, buf->name->text);
 	}
 	for (broker_conn *c = b->conns; c; c = c->next) {
 		conns++;
@@ -1158,8 +1170,8 @@ int broker_check(broker *b, char *report, size_t len)
 					" is not found by the id",
 					c->pid, hb->id);
 			if (h->value == 0)
-				PROBLEM("connection of pid %u keeps a zero count on buffer %" PRIu64, c->pid,
-					hb->id);
+				PROBLEM("connection of pid %u keeps a zero count on buffer %" PRIu64,
+					c->pid, hb->id);
 			row->counts += h->value;
 		}
 		uint32_t nw = 0, nt = 0;
@@ -1176,10 +1188,11 @@ int broker_check(broker *b, char *report, size_t len)
 		for (token *t = c->tokens; t; t = t->mnext)
 			nt++;
 		if (nw != c->nwaits)
-			PROBLEM("connection of pid %u counts %u waits but has %u", c->pid, c->nwaits, nw);
+			PROBLEM("connection of pid %u counts %u waits but has %u", c->pid,
+				c->nwaits, nw);
 		if (nt != c->ntokens)
-			PROBLEM("connection of pid %u counts %u tokens but has %u", c->pid, c->ntokens,
-				nt);
+			PROBLEM("connection of pid %u counts %u tokens but has %u", c->pid,
+				c->ntokens, nt);
 		waits += nw;
 	}
 	uint64_t ntokens = 0;
@@ -1203,12 +1216,13 @@ int broker_check(broker *b, char *report, size_t len)
 				" and %" PRIu64 " tokens are live",
 				buf->id, buf->refs, row->counts, row->tokens);
 		if (buf->tokens != row->tokens)
-			PROBLEM("buffer %" PRIu64 ": counts %u tokens but %" PRIu64 " are live", buf->id,
-				buf->tokens, row->tokens);
+			PROBLEM("buffer %" PRIu64 ": counts %u tokens but %" PRIu64 " are live",
+				buf->id, buf->tokens, row->tokens);
 		if (buf->refs == 0)
 			PROBLEM("buffer %" PRIu64 " is live with no references", buf->id);
 		if (nwaiters != row->waiters)
-			PROBLEM("buffer %" PRIu64 ": %" PRIu64 " waiters, connections know of %" PRIu64,
+			PROBLEM("buffer %" PRIu64 ": %" PRIu64
+				" waiters, connections know of %" PRIu64,
 				buf->id, nwaiters, row->waiters);
 	}
 	for (int k = 1; k < BROKER_KINDS; k++) {
@@ -1240,16 +1254,17 @@ int broker_check(broker *b, char *report, size_t len)
 			su = &zero;
 		if (su->buffers != u->buffers || su->bytes[BB_HOST] != u->bytes[BB_HOST] ||
 		    su->bytes[BB_CUDA] != u->bytes[BB_CUDA])
-			PROBLEM("uid %u's usage says %" PRIu64 " buffers, %" PRIu64 " host and %" PRIu64
-				" cuda bytes; it owns %" PRIu64 ", %" PRIu64 " and %" PRIu64,
-				u->uid, u->buffers, u->bytes[BB_HOST], u->bytes[BB_CUDA], su->buffers,
-				su->bytes[BB_HOST], su->bytes[BB_CUDA]);
+			PROBLEM("uid %u's usage says %" PRIu64 " buffers, %" PRIu64
+				" host and %" PRIu64 " cuda bytes; it owns %" PRIu64 ", %" PRIu64
+				" and %" PRIu64,
+				u->uid, u->buffers, u->bytes[BB_HOST], u->bytes[BB_CUDA],
+				su->buffers, su->bytes[BB_HOST], su->bytes[BB_CUDA]);
 	}
-	HASH_ITER(hh, seen, su, stmp) {
+	HASH_ITER (hh, seen, su, stmp) {
 		uid_usage *u = usage_of(b, su->uid, false);
 		if (!u)
-			PROBLEM("uid %u owns %" PRIu64 " buffers that its usage does not count", su->uid,
-				su->buffers);
+			PROBLEM("uid %u owns %" PRIu64 " buffers that its usage does not count",
+				su->uid, su->buffers);
 		HASH_DELETE(hh, seen, su);
 		free(su);
 	}
@@ -1272,10 +1287,10 @@ int broker_check(broker *b, char *report, size_t len)
 	for (ut = b->uid_tokens; ut; ut = ut->hh.next) {
 		HASH_FIND(hh, made, &ut->uid, sizeof(ut->uid), mt);
 		if (!mt || mt->tokens != ut->tokens)
-			PROBLEM("uid %u is counted %" PRIu64 " live tokens but made %" PRIu64, ut->uid,
-				ut->tokens, mt ? mt->tokens : 0);
+			PROBLEM("uid %u is counted %" PRIu64 " live tokens but made %" PRIu64,
+				ut->uid, ut->tokens, mt ? mt->tokens : 0);
 	}
-	HASH_ITER(hh, made, mt, mtmp) {
+	HASH_ITER (hh, made, mt, mtmp) {
 		HASH_FIND(hh, b->uid_tokens, &mt->uid, sizeof(mt->uid), ut);
 		if (!ut)
 			PROBLEM("uid %u made %" PRIu64 " live tokens that no per-uid count has",
@@ -1289,7 +1304,7 @@ int broker_check(broker *b, char *report, size_t len)
 		PROBLEM("%u connections counted, %" PRIu64 " open", b->nconns, conns);
 #undef PROBLEM
 out:
-	HASH_ITER(hh, rows, row, tmp) {
+	HASH_ITER (hh, rows, row, tmp) {
 		HASH_DELETE(hh, rows, row);
 		free(row);
 	}
@@ -1321,12 +1336,12 @@ void broker_free(broker *b)
 	}
 	idmap_free(&b->by_id);
 	uid_usage *u, *utmp;
-	HASH_ITER(hh, b->uids, u, utmp) {
+	HASH_ITER (hh, b->uids, u, utmp) {
 		HASH_DELETE(hh, b->uids, u);
 		free(u);
 	}
 	uid_tokens *ut, *uttmp;
-	HASH_ITER(hh, b->uid_tokens, ut, uttmp) {
+	HASH_ITER (hh, b->uid_tokens, ut, uttmp) {
 		HASH_DELETE(hh, b->uid_tokens, ut);
 		free(ut);
 	}

@@ -109,7 +109,7 @@ typedef struct broker_totals {
 
 /* What Alloc and ImportFd ask for. */
 typedef struct broker_alloc_req {
-	uint64_t size;    /* > 0 */
+	uint64_t size; /* > 0 */
 	bb_kind kind;
 	int device;
 	const char *name; /* NULL or "" = unnamed; at most BB_NAME_MAX bytes */
@@ -125,8 +125,8 @@ typedef struct broker_alloc_req {
 typedef struct broker_waiter broker_waiter;
 struct broker_waiter {
 	void (*wake)(broker_waiter *w, int code, bb_state state, const char *error);
-	broker_conn *conn;       /* set by broker_wait */
-	broker_buf *buf;         /* set by broker_wait; NULL once woken/cancelled */
+	broker_conn *conn;            /* set by broker_wait */
+	broker_buf *buf;              /* set by broker_wait; NULL once woken/cancelled */
 	broker_waiter *prev, *next;   /* the buffer's waiter list */
 	broker_waiter *cprev, *cnext; /* the connection's waiter list */
 };
@@ -151,7 +151,8 @@ const broker_limits *broker_get_limits(const broker *b);
 
 /* A new connection of a peer. NULL with err when the connection limit is
  * reached. */
-broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pid, broker_error *err);
+broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pid,
+			      broker_error *err);
 /* Drops its waiters (without waking them), releases all its counts, fails
  * the PENDING buffers it produced (waking their waiters), detaches its
  * tokens (they live on) and frees conn. */

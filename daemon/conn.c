@@ -45,10 +45,10 @@ struct conn {
 	uint64_t out_bytes;          /* bytes in the queue */
 	uint64_t out_moved_ms;       /* loop time the queue last started or moved (send timeout) */
 	int events;                  /* what poll watches now (UV_READABLE, ...) */
-	uint32_t inflight;           /* requests read, not yet answered: the session's parked ones */
-	uint32_t single_reads;       /* reads left to make one datagram at a time (CONN_SINGLE_READS) */
-	conn *prev, *next;           /* env's list */
-	conn *doomed_next;           /* env's list of connections to close */
+	uint32_t inflight;     /* requests read, not yet answered: the session's parked ones */
+	uint32_t single_reads; /* reads left to make one datagram at a time (CONN_SINGLE_READS) */
+	conn *prev, *next;     /* env's list */
+	conn *doomed_next;     /* env's list of connections to close */
 };
 
 static void conn_update(conn *c);
@@ -94,7 +94,8 @@ static void enqueue(conn *c, const unsigned char *data, size_t len, int fd)
 		char why[128];
 		log_warn("event=output_overflow conn=%llu uid=%u pid=%u queued=%llu limit=%llu",
 			 (unsigned long long)c->serial, c->uid, c->pid,
-			 (unsigned long long)c->out_bytes, (unsigned long long)c->env->limits.queue_bytes);
+			 (unsigned long long)c->out_bytes,
+			 (unsigned long long)c->env->limits.queue_bytes);
 		metrics_refused(c->env->counters, METRICS_LIMIT_QUEUE_BYTES);
 		snprintf(why, sizeof(why),
 			 "client stopped reading its responses: %llu bytes would be queued; the "
@@ -170,8 +171,8 @@ static void reply_send(void *ctx, const Bufbroker__Response *r, int fd)
 	if (!len) {
 		/* The handler keeps every response within the limit; if one
 		 * ever is not, say so rather than send what the peer rejects. */
-		log_error("event=response_too_large conn=%llu bytes=%zu", (unsigned long long)c->serial,
-			  bufbroker__response__get_packed_size(r));
+		log_error("event=response_too_large conn=%llu bytes=%zu",
+			  (unsigned long long)c->serial, bufbroker__response__get_packed_size(r));
 		send_status(c, r->id, BB_ERR_SYSTEM, "response too large for one datagram");
 		return;
 	}
@@ -298,10 +299,11 @@ static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n,
 				 "(--max-datagram)",
 				 max, max);
 		else
-			snprintf(msg, sizeof(msg),
-				 "datagram of %zd bytes with more than one file descriptor; at most "
-				 "one may be attached",
-				 n);
+			snprintf(
+				msg, sizeof(msg),
+				"datagram of %zd bytes with more than one file descriptor; at most "
+				"one may be attached",
+				n);
 		protocol_error(c, 0, msg, true);
 		return;
 	}

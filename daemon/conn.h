@@ -37,27 +37,28 @@ typedef struct conn conn;
 /* The transport's limits; the server sets them, and may change all but
  * max_datagram while running. */
 typedef struct conn_limits {
-	uint32_t max_datagram;    /* bytes; larger requests are protocol errors */
-	uint64_t queue_bytes;     /* queued output per connection before it is dropped */
-	uint64_t send_timeout_ms; /* queued output that cannot move this long drops the connection */
-	uint32_t conn_inflight;   /* parked requests per connection before reading pauses */
+	uint32_t max_datagram; /* bytes; larger requests are protocol errors */
+	uint64_t queue_bytes;  /* queued output per connection before it is dropped */
+	uint64_t
+		send_timeout_ms; /* queued output that cannot move this long drops the connection */
+	uint32_t conn_inflight;  /* parked requests per connection before reading pauses */
 } conn_limits;
 
 /* What every connection shares. The caller fills the fields marked "in"
  * and calls conn_env_init; the rest is the transport's. */
 typedef struct conn_env {
-	uv_loop_t *loop;               /* in: the loop everything runs on */
-	conn_limits limits;            /* in */
-	codec *codec;                  /* in: decodes requests, encodes answers */
-	handler *h;                    /* in: the request layer */
-	metrics_counters *counters;    /* in: latency, the transport's refusals */
-	void (*reap_soon)(void *ctx);  /* in: a connection was doomed */
+	uv_loop_t *loop;                  /* in: the loop everything runs on */
+	conn_limits limits;               /* in */
+	codec *codec;                     /* in: decodes requests, encodes answers */
+	handler *h;                       /* in: the request layer */
+	metrics_counters *counters;       /* in: latency, the transport's refusals */
+	void (*reap_soon)(void *ctx);     /* in: a connection was doomed */
 	void (*output_queued)(void *ctx); /* in: a connection's output started queueing */
-	void *ctx;                     /* in: passed to the callbacks */
-	unsigned char *rbuf;           /* receive buffers: CONN_READ_BATCH of max_datagram + 1 */
-	uint64_t next_serial;          /* connection numbers */
-	conn *conns;                   /* open connections, oldest first */
-	conn *doomed;                  /* connections to close */
+	void *ctx;                        /* in: passed to the callbacks */
+	unsigned char *rbuf;              /* receive buffers: CONN_READ_BATCH of max_datagram + 1 */
+	uint64_t next_serial;             /* connection numbers */
+	conn *conns;                      /* open connections, oldest first */
+	conn *doomed;                     /* connections to close */
 } conn_env;
 
 /* Allocate env's buffers. 0, or -1 out of memory. */

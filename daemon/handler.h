@@ -59,8 +59,8 @@ void handler_stop(handler *h);
  * too many such wait). A peer over the broker's connection limit is
  * answered at once and the connection closed. reply is copied. NULL out of
  * memory. */
-session *handler_session_open(handler *h, uint64_t serial, uint32_t uid, uint32_t gid,
-			      uint32_t pid, bool denied, const handler_reply *reply);
+session *handler_session_open(handler *h, uint64_t serial, uint32_t uid, uint32_t gid, uint32_t pid,
+			      bool denied, const handler_reply *reply);
 /* Act on one decoded request; fd came with it (-1: none) and is closed
  * here, or kept by the backend as a duplicate. */
 void handler_request(session *s, const Bufbroker__Request *req, int fd);

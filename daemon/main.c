@@ -282,7 +282,8 @@ int main(int argc, char **argv)
 		 access(d.file, F_OK) == 0 ? "yes" : "no");
 	if (server_start(&d.s, &loop, &d.running.server) < 0) {
 		rc = 1;
-	} else if (d.running.metrics_listen && server_metrics_start(d.s, d.running.metrics_listen) < 0) {
+	} else if (d.running.metrics_listen &&
+		   server_metrics_start(d.s, d.running.metrics_listen) < 0) {
 		rc = 1; /* asked for metrics and cannot serve them: the log says why */
 	} else {
 		uv_signal_init(&loop, &d.sighup);

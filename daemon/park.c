@@ -11,10 +11,10 @@
 #include <utlist.h>
 
 struct park {
-	uv_loop_t *loop;   /* the timers' loop */
-	broker *b;         /* where waits park */
+	uv_loop_t *loop;    /* the timers' loop */
+	broker *b;          /* where waits park */
 	park_alloc *allocs; /* parked allocs, oldest first */
-	uint64_t nallocs;  /* how many */
+	uint64_t nallocs;   /* how many */
 };
 
 /* A parked Wait: answered by the broker's wake or by its timer. */
@@ -165,8 +165,7 @@ void park_allocs_retry(park *p, bool (*retry)(void *ctx, const park_alloc *a), v
 	 * end of a fresh one, so the order holds and the round ends. */
 	park_alloc *list = p->allocs, *pa, *tmp;
 	p->allocs = NULL;
-	DL_FOREACH_SAFE(list, pa, tmp)
-	{
+	DL_FOREACH_SAFE (list, pa, tmp) {
 		DL_DELETE(list, pa);
 		if (retry(ctx, pa))
 			alloc_free(p, pa);
@@ -179,8 +178,7 @@ uint32_t park_allocs_drop(park *p, void *owner)
 {
 	park_alloc *pa, *tmp;
 	uint32_t n = 0;
-	DL_FOREACH_SAFE(p->allocs, pa, tmp)
-	{
+	DL_FOREACH_SAFE (p->allocs, pa, tmp) {
 		if (pa->owner != owner)
 			continue;
 		DL_DELETE(p->allocs, pa);

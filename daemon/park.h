@@ -29,14 +29,14 @@ typedef void (*park_wait_done)(void *owner, uint64_t req_id, int code, bb_state 
 /* An Alloc the backend could not answer yet (BACKEND_GROW), as its owner
  * asked it: retried, in arrival order, after each backend job. */
 typedef struct park_alloc {
-	void *owner;              /* who asked (the owner's context) */
-	uint64_t req_id;          /* the Alloc request's id */
-	bool quiet;               /* Request.no_reply */
-	uint64_t size;            /* the Alloc's fields, copied */
+	void *owner;     /* who asked (the owner's context) */
+	uint64_t req_id; /* the Alloc request's id */
+	bool quiet;      /* Request.no_reply */
+	uint64_t size;   /* the Alloc's fields, copied */
 	int kind;
 	int32_t device;
 	uint32_t share;
-	char *name;               /* copy, or NULL */
+	char *name;                     /* copy, or NULL */
 	struct park_alloc *prev, *next; /* the lot's list, oldest first */
 } park_alloc;
 

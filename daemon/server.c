@@ -36,29 +36,29 @@
 #endif
 
 struct server {
-	uv_loop_t *loop;          /* the loop everything runs on */
-	server_config cfg;        /* as given (reload changes the live part) */
-	broker *b;                /* the state machine */
-	backend *host;            /* host backend */
-	backend *cuda;            /* CUDA backend, or NULL (cuda_why says why) */
-	char cuda_why[256];       /* why CUDA is not served; "" when it is */
-	park *park;               /* parked waits and allocs */
-	handler *h;               /* the request layer */
-	codec *codec;             /* the wire */
-	conn_env conns;           /* the transport: every connection */
-	snapshot_sources src;       /* what the snapshot reads */
-	metrics_counters counters; /* requests, latency, refusals (metrics.h) */
-	metrics_endpoint *metrics; /* the HTTP endpoint, or NULL */
-	uint32_t jobs;            /* backend jobs in flight */
-	bool retry_allocs;        /* a job ran inline: retry parked allocs after this turn */
-	int listen_fd;            /* listening socket */
-	bool own_socket_file;     /* we bound it (so we unlink it on exit) */
-	uv_poll_t listen_poll;    /* accept readiness */
-	uv_timer_t send_timer;    /* while output is queued: the send-timeout sweep */
-	uv_check_t reaper;        /* after each turn: close doomed conns, retry_allocs */
-	uv_idle_t reap_soon;      /* active while conns are doomed: the turn does not block */
+	uv_loop_t *loop;             /* the loop everything runs on */
+	server_config cfg;           /* as given (reload changes the live part) */
+	broker *b;                   /* the state machine */
+	backend *host;               /* host backend */
+	backend *cuda;               /* CUDA backend, or NULL (cuda_why says why) */
+	char cuda_why[256];          /* why CUDA is not served; "" when it is */
+	park *park;                  /* parked waits and allocs */
+	handler *h;                  /* the request layer */
+	codec *codec;                /* the wire */
+	conn_env conns;              /* the transport: every connection */
+	snapshot_sources src;        /* what the snapshot reads */
+	metrics_counters counters;   /* requests, latency, refusals (metrics.h) */
+	metrics_endpoint *metrics;   /* the HTTP endpoint, or NULL */
+	uint32_t jobs;               /* backend jobs in flight */
+	bool retry_allocs;           /* a job ran inline: retry parked allocs after this turn */
+	int listen_fd;               /* listening socket */
+	bool own_socket_file;        /* we bound it (so we unlink it on exit) */
+	uv_poll_t listen_poll;       /* accept readiness */
+	uv_timer_t send_timer;       /* while output is queued: the send-timeout sweep */
+	uv_check_t reaper;           /* after each turn: close doomed conns, retry_allocs */
+	uv_idle_t reap_soon;         /* active while conns are doomed: the turn does not block */
 	uv_signal_t sigterm, sigint; /* clean shutdown */
-	bool stopping;            /* shutdown begun */
+	bool stopping;               /* shutdown begun */
 };
 
 /* mkdir -p for the socket's parent directory. */
@@ -91,8 +91,9 @@ static int stale_socket(const char *path, const struct sockaddr_un *addr)
 	if (lstat(path, &st) < 0)
 		return 0;
 	if (!S_ISSOCK(st.st_mode)) {
-		log_error("event=listen_failed socket=\"%s\" error=\"the path exists and is not a socket\"",
-			  path);
+		log_error(
+			"event=listen_failed socket=\"%s\" error=\"the path exists and is not a socket\"",
+			path);
 		return -1;
 	}
 	/* Only a refused connect proves that no daemon is serving it. */
@@ -101,7 +102,9 @@ static int stale_socket(const char *path, const struct sockaddr_un *addr)
 	if (probe >= 0)
 		close(probe);
 	if (live) {
-		log_error("event=listen_failed socket=\"%s\" error=\"another daemon is serving it\"", path);
+		log_error(
+			"event=listen_failed socket=\"%s\" error=\"another daemon is serving it\"",
+			path);
 		return -1;
 	}
 	return 1;
@@ -126,8 +129,9 @@ static int listen_on(server *s)
 	if (n < 0 || (size_t)n >= sizeof(tmp.sun_path))
 		tmp = addr;
 	if (make_parents(path) < 0) {
-		log_error("event=listen_failed socket=\"%s\" error=\"cannot create its directory: %s\"",
-			  path, strerror(errno));
+		log_error(
+			"event=listen_failed socket=\"%s\" error=\"cannot create its directory: %s\"",
+			path, strerror(errno));
 		return -1;
 	}
 	int stale = stale_socket(path, &addr);
@@ -144,29 +148,34 @@ static int listen_on(server *s)
 	else
 		unlink(bound); /* a leftover of a daemon with our pid */
 	if (bind(fd, (struct sockaddr *)&tmp, sizeof(tmp)) < 0) {
-		log_error("event=listen_failed socket=\"%s\" error=\"bind: %s\"", bound, strerror(errno));
+		log_error("event=listen_failed socket=\"%s\" error=\"bind: %s\"", bound,
+			  strerror(errno));
 		close(fd);
 		return -1;
 	}
 	if (chmod(bound, s->cfg.socket_mode) < 0) {
-		log_error("event=listen_failed socket=\"%s\" error=\"chmod: %s\"", path, strerror(errno));
+		log_error("event=listen_failed socket=\"%s\" error=\"chmod: %s\"", path,
+			  strerror(errno));
 		goto err_file;
 	}
 	if (s->cfg.socket_group) {
 		struct group *g = getgrnam(s->cfg.socket_group);
 		if (!g || chown(bound, (uid_t)-1, g->gr_gid) < 0) {
-			log_error("event=listen_failed socket=\"%s\" error=\"cannot give it group %s: %s\"",
-				  path, s->cfg.socket_group, g ? strerror(errno) : "no such group");
+			log_error(
+				"event=listen_failed socket=\"%s\" error=\"cannot give it group %s: %s\"",
+				path, s->cfg.socket_group, g ? strerror(errno) : "no such group");
 			goto err_file;
 		}
 	}
 	if (listen(fd, 256) < 0) {
-		log_error("event=listen_failed socket=\"%s\" error=\"listen: %s\"", path, strerror(errno));
+		log_error("event=listen_failed socket=\"%s\" error=\"listen: %s\"", path,
+			  strerror(errno));
 		goto err_file;
 	}
 	/* rename replaces a stale socket file atomically. */
 	if (strcmp(bound, path) != 0 && rename(bound, path) < 0) {
-		log_error("event=listen_failed socket=\"%s\" error=\"rename: %s\"", path, strerror(errno));
+		log_error("event=listen_failed socket=\"%s\" error=\"rename: %s\"", path,
+			  strerror(errno));
 		goto err_file;
 	}
 	s->own_socket_file = true;
@@ -186,7 +195,8 @@ static int take_passed_socket(server *s)
 	if (n <= 0)
 		return n;
 	if (n > 1) {
-		log_error("event=listen_failed error=\"systemd passed %d sockets; expected one\"", n);
+		log_error("event=listen_failed error=\"systemd passed %d sockets; expected one\"",
+			  n);
 		return -1;
 	}
 	int fd = SD_LISTEN_FDS_START;
@@ -354,7 +364,7 @@ static void on_signal(uv_signal_t *h, int signum)
 
 /* A backend job on libuv's thread pool. */
 typedef struct server_job {
-	uv_work_t req;   /* req.data: the server */
+	uv_work_t req;    /* req.data: the server */
 	backend_job *job; /* the backend's job */
 } server_job;
 
@@ -488,7 +498,8 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 		.park = s->park,
 		.counters = &s->counters,
 	};
-	s->h = s->park ? handler_new(loop, &s->src, s->park, &s->counters, cfg->max_datagram) : NULL;
+	s->h = s->park ? handler_new(loop, &s->src, s->park, &s->counters, cfg->max_datagram)
+		       : NULL;
 	s->codec = codec_new(cfg->max_datagram);
 	s->conns = (conn_env){
 		.loop = loop,

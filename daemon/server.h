@@ -29,14 +29,15 @@ typedef struct server_allow {
 } server_allow;
 
 typedef struct server_config {
-	const char *socket_path; /* where to listen (ignored with LISTEN_FDS) */
-	mode_t socket_mode;      /* chmod of the socket file */
+	const char *socket_path;  /* where to listen (ignored with LISTEN_FDS) */
+	mode_t socket_mode;       /* chmod of the socket file */
 	const char *socket_group; /* chgrp of the socket file, or NULL */
-	server_allow allow_uids; /* peers admitted by uid (with allow_gids: either) */
-	server_allow allow_gids; /* peers admitted by primary or supplementary gid */
-	uint32_t max_datagram;   /* bytes; larger requests are protocol errors */
-	uint64_t queue_bytes;    /* queued output per connection before it is dropped */
-	uint64_t send_timeout_ms; /* queued output that cannot move this long drops the connection */
+	server_allow allow_uids;  /* peers admitted by uid (with allow_gids: either) */
+	server_allow allow_gids;  /* peers admitted by primary or supplementary gid */
+	uint32_t max_datagram;    /* bytes; larger requests are protocol errors */
+	uint64_t queue_bytes;     /* queued output per connection before it is dropped */
+	uint64_t
+		send_timeout_ms; /* queued output that cannot move this long drops the connection */
 	uint32_t conn_inflight;  /* parked requests per connection before reading it pauses */
 	broker_limits limits;    /* handed to the broker */
 	bool no_cuda;            /* --no-cuda: serve host buffers only */

@@ -8,8 +8,8 @@
 
 typedef struct uid_acc {
 	snapshot *s; /* where rows go */
-	size_t cap;         /* rows allocated */
-	bool failed;        /* out of memory */
+	size_t cap;  /* rows allocated */
+	bool failed; /* out of memory */
 } uid_acc;
 
 static void uid_row(uint32_t uid, uint64_t buffers, const uint64_t bytes[BROKER_KINDS], void *arg)

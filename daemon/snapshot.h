@@ -23,34 +23,34 @@
 
 /* Where a snapshot is read from: set up by the server, read-only here. */
 typedef struct snapshot_sources {
-	uv_loop_t *loop;                   /* its clock, for the uptime */
-	uint64_t started_ms;               /* uv_now when the daemon started serving */
-	broker *b;                         /* buffers, connections, tokens, limits */
-	backend *host;                     /* the host backend (its reuse pool) */
-	backend *cuda;                     /* the CUDA backend, or NULL */
-	const char *cuda_why;              /* why CUDA is not served; "" when it is */
-	const park *park;                  /* parked allocs */
-	const metrics_counters *counters;  /* requests, latency, the server's refusals */
+	uv_loop_t *loop;                  /* its clock, for the uptime */
+	uint64_t started_ms;              /* uv_now when the daemon started serving */
+	broker *b;                        /* buffers, connections, tokens, limits */
+	backend *host;                    /* the host backend (its reuse pool) */
+	backend *cuda;                    /* the CUDA backend, or NULL */
+	const char *cuda_why;             /* why CUDA is not served; "" when it is */
+	const park *park;                 /* parked allocs */
+	const metrics_counters *counters; /* requests, latency, the server's refusals */
 } snapshot_sources;
 
 /* Live buffers of one owner uid. */
 typedef struct snapshot_uid {
-	uint32_t uid;                  /* the owner */
-	uint64_t buffers;              /* its live buffers */
-	uint64_t bytes[BROKER_KINDS];  /* their bytes, by kind */
+	uint32_t uid;                 /* the owner */
+	uint64_t buffers;             /* its live buffers */
+	uint64_t bytes[BROKER_KINDS]; /* their bytes, by kind */
 } snapshot_uid;
 
 typedef struct snapshot {
-	uint64_t uptime_ms;                          /* since the daemon started serving */
-	broker_totals totals;                        /* the broker's */
-	uint64_t parked_allocs;                      /* allocs waiting for a backend job */
-	backend_host_pool_stats pool;                /* the host memfd reuse pool */
-	backend_device devices[SNAPSHOT_DEVICES_MAX];  /* CUDA devices served */
-	int n_devices;                               /* entries of devices */
-	const char *cuda_why;                        /* why CUDA is not served; "" when it is */
-	const metrics_counters *counters;            /* the counters (not copied) */
-	snapshot_uid *uids;                            /* with_uids: per owner uid, malloc'ed */
-	size_t n_uids;                               /* entries of uids */
+	uint64_t uptime_ms;                           /* since the daemon started serving */
+	broker_totals totals;                         /* the broker's */
+	uint64_t parked_allocs;                       /* allocs waiting for a backend job */
+	backend_host_pool_stats pool;                 /* the host memfd reuse pool */
+	backend_device devices[SNAPSHOT_DEVICES_MAX]; /* CUDA devices served */
+	int n_devices;                                /* entries of devices */
+	const char *cuda_why;                         /* why CUDA is not served; "" when it is */
+	const metrics_counters *counters;             /* the counters (not copied) */
+	snapshot_uid *uids;                           /* with_uids: per owner uid, malloc'ed */
+	size_t n_uids;                                /* entries of uids */
 } snapshot;
 
 /* Fill *out from src; with_uids also lists the owner uids (in no

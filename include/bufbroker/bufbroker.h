@@ -65,10 +65,10 @@ extern "C" {
 
 enum {
 	BB_OK = 0,
-	BB_ERR_INVALID = -1,      /* bad argument */
-	BB_ERR_NOT_FOUND = -2,    /* no such buffer, name or token */
-	BB_ERR_DENIED = -3,       /* share policy or socket permissions */
-	BB_ERR_NO_MEMORY = -4,    /* a quota, a limit or the device is full */
+	BB_ERR_INVALID = -1,   /* bad argument */
+	BB_ERR_NOT_FOUND = -2, /* no such buffer, name or token */
+	BB_ERR_DENIED = -3,    /* share policy or socket permissions */
+	BB_ERR_NO_MEMORY = -4, /* a quota, a limit or the device is full */
 	BB_ERR_TIMEOUT = -5,
 	BB_ERR_DISCONNECTED = -6, /* the daemon is gone */
 	BB_ERR_PROTOCOL = -7,     /* malformed or unexpected message */

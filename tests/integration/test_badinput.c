@@ -576,9 +576,11 @@ Test(badinput, requests_queued_behind_a_fatal_datagram_are_dropped_with_their_fd
 			close(r.raw);
 			r.raw = bbt_raw_connect(r.d->sock);
 			cr_assert_geq(r.raw, 0, "raw connect: %s", strerror(-r.raw));
-			cr_assert_eq(bbt_raw_hello(r.raw, 1, BB_PROTO_MAJOR), 0, "Hello was refused");
+			cr_assert_eq(bbt_raw_hello(r.raw, 1, BB_PROTO_MAJOR), 0,
+				     "Hello was refused");
 			cr_assert_eq(bbt_refs_until(r.good, id, 1, 2000), 1,
-				     "attempt %d: the closed peer's counts were not dropped", attempt);
+				     "attempt %d: the closed peer's counts were not dropped",
+				     attempt);
 		}
 		if (pfd[1] >= 0)
 			close(pfd[1]);

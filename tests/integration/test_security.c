@@ -523,7 +523,7 @@ Test(security, other_uids_are_refused_by_uid_policy_admitted_by_gid_or_any_and_b
 
 struct stale_ctx {
 	const char *sock;
-	uint64_t id;   /* root's buffer, BB_SHARE_ANY */
+	uint64_t id; /* root's buffer, BB_SHARE_ANY */
 	size_t size;
 	uint32_t seed; /* what root writes into the buffer made after the free */
 	bbt_chan ch;

@@ -34,17 +34,17 @@ typedef struct test_mem {
 #define MEM_MAGIC 0x6262627566666572ull
 
 typedef struct counting_backend {
-	backend be;            /* handed to the broker */
-	int live;              /* allocations not yet freed */
-	uint64_t live_bytes;   /* their sizes */
-	int allocs;            /* alloc calls */
-	int imports;           /* import_fd calls */
-	int frees;             /* free calls */
-	int exports;           /* export_mem calls */
-	int exposes;           /* expose calls */
-	int fail_export;       /* non-zero: export_mem fails with it */
-	int last_import_fd;    /* fd the last import_fd got */
-	int fail_code;         /* non-zero: the next alloc/import fails with it */
+	backend be;          /* handed to the broker */
+	int live;            /* allocations not yet freed */
+	uint64_t live_bytes; /* their sizes */
+	int allocs;          /* alloc calls */
+	int imports;         /* import_fd calls */
+	int frees;           /* free calls */
+	int exports;         /* export_mem calls */
+	int exposes;         /* expose calls */
+	int fail_export;     /* non-zero: export_mem fails with it */
+	int last_import_fd;  /* fd the last import_fd got */
+	int fail_code;       /* non-zero: the next alloc/import fails with it */
 } counting_backend;
 
 static int cb_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
@@ -58,7 +58,8 @@ static int cb_alloc(backend *be, uint64_t size, int device, uint32_t uid, int sh
 	if (cb->fail_code) {
 		int code = cb->fail_code;
 		cb->fail_code = 0;
-		snprintf(err, errlen, "counting backend refuses %llu bytes", (unsigned long long)size);
+		snprintf(err, errlen, "counting backend refuses %llu bytes",
+			 (unsigned long long)size);
 		return code;
 	}
 	test_mem *m = calloc(1, sizeof(*m));
@@ -269,11 +270,11 @@ static uint64_t refs_of(broker_conn *c, uint64_t id)
 /* ---- waiters ------------------------------------------------------------- */
 
 typedef struct test_waiter {
-	broker_waiter w;  /* parked in the broker */
-	int calls;        /* times wake ran */
-	int code;         /* last wake's code */
-	bb_state state;   /* last wake's state */
-	char error[256];  /* last wake's error */
+	broker_waiter w; /* parked in the broker */
+	int calls;       /* times wake ran */
+	int code;        /* last wake's code */
+	bb_state state;  /* last wake's state */
+	char error[256]; /* last wake's error */
 } test_waiter;
 
 static void test_wake(broker_waiter *w, int code, bb_state state, const char *error)
@@ -1179,7 +1180,8 @@ Test(broker, adopt_of_unknown_token_is_not_found)
 	for (int bit = 0; bit < 8 * BB_TOKEN_SIZE; bit++) {
 		memcpy(wrong, tok, sizeof(wrong));
 		wrong[bit / 8] ^= (unsigned char)(1u << (bit % 8));
-		cr_assert_eq(broker_adopt(b, a, wrong, &buf, &err), BB_ERR_NOT_FOUND, "bit %d", bit);
+		cr_assert_eq(broker_adopt(b, a, wrong, &buf, &err), BB_ERR_NOT_FOUND, "bit %d",
+			     bit);
 	}
 	memset(wrong, 0, sizeof(wrong));
 	cr_assert_eq(broker_adopt(b, a, wrong, &buf, &err), BB_ERR_NOT_FOUND);

@@ -35,7 +35,10 @@ static int mem_export(backend *be, const backend_mem *mem, backend_export *out, 
 }
 
 static backend mem_backend = {
-	.name = "mem", .alloc = mem_alloc, .free = mem_free, .export_mem = mem_export,
+	.name = "mem",
+	.alloc = mem_alloc,
+	.free = mem_free,
+	.export_mem = mem_export,
 };
 
 static broker *b;
@@ -97,7 +100,8 @@ Test(broker_check, reports_refs_that_do_not_add_up)
 	broker_buf *x = alloc_in(a, 4096, NULL);
 	x->refs = 5;
 	cr_assert_eq(broker_check(b, report, sizeof(report)), 1, "%s", report);
-	cr_assert_not_null(strstr(report, "refs 5 but connections hold 1 and 0 tokens"), "%s", report);
+	cr_assert_not_null(strstr(report, "refs 5 but connections hold 1 and 0 tokens"), "%s",
+			   report);
 	x->refs = 1;
 }
 

@@ -120,8 +120,7 @@ static size_t mutate(uint8_t *msg, size_t len, size_t cap)
 			return len - 1;
 		}
 		return len;
-	case 4:
-		return at;
+	case 4: return at;
 	case 5: {
 		size_t n = 1 + rnd() % 4;
 		if (at + n <= len && len + n <= cap) {

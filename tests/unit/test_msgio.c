@@ -19,8 +19,8 @@
 
 static void pair(int sv[2])
 {
-	cr_assert_eq(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0,
-		     "socketpair: %s", strerror(errno));
+	cr_assert_eq(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0, "socketpair: %s",
+		     strerror(errno));
 }
 
 static int new_memfd(void)

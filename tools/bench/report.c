@@ -206,8 +206,8 @@ static void notes_of(const char *group)
 /* The rows of a scale series, with the kernel Slab column when slab. */
 static void scale_rows(const char *group, bool slab)
 {
-	printf("  %12s %9s %9s %14s %10s %12s", "live buffers", "p50 us", "p99 us",
-	       "ops/s (16 cl)", "vs first", "RSS B/buf");
+	printf("  %12s %9s %9s %14s %10s %12s", "live buffers", "p50 us", "p99 us", "ops/s (16 cl)",
+	       "vs first", "RSS B/buf");
 	if (slab)
 		printf(" %12s", "slab B/buf");
 	printf("\n");

@@ -62,7 +62,6 @@ static const series cuda_series = {
 	.raise = "--uid-buffers / --uid-cuda-bytes / --cuda-device-bytes",
 };
 
-
 struct filler {
 	pid_t pid;
 	int cmd; /* parent -> filler: how many more to allocate (uint64) */
