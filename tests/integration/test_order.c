@@ -1,0 +1,184 @@
+/*
+ * Points of the protocol a client author has to rely on (docs/PROTOCOL.md,
+ * "Requests and responses", and Alloc's errors), each proved on the wire
+ * with a raw connection: the order of a woken Wait's answer and the answer
+ * to the SetReady that woke it, the silence of a refused no_reply Wait, and
+ * uid 0 under the per-uid quotas.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "wire.h"
+
+TestSuite(order, .fini = bbt_cleanup, .timeout = 60);
+
+/* A raw connection to d, greeted. */
+static int raw_open(const bbt_daemon *d)
+{
+	int raw = bbt_raw_connect(d->sock);
+	cr_assert_geq(raw, 0, "raw connect: %s", strerror(-raw));
+	cr_assert_eq(bbt_raw_hello(raw, 1, BB_PROTO_MAJOR), 0, "Hello was refused");
+	return raw;
+}
+
+/* Send req (op set by the caller) with id and no_reply. */
+static void raw_send(int raw, Bufbroker__Request *req, uint64_t id, bool no_reply)
+{
+	req->id = id;
+	req->no_reply = no_reply;
+	cr_assert_eq(bbt_raw_send(raw, req, -1), 0, "send of request %llu failed",
+		     (unsigned long long)id);
+}
+
+/* The next response: its id, status code and result case. */
+static uint64_t raw_next(int raw, int *code, int *result)
+{
+	Bufbroker__Response *resp = NULL;
+	int rc = bbt_raw_recv(raw, bbt_ms(3000), &resp, NULL);
+	cr_assert_eq(rc, 1, "no response (recv %d: %s)", rc, rc < 0 ? strerror(-rc) : "closed");
+	uint64_t id = resp->id;
+	*code = resp->status ? resp->status->code : 1;
+	*result = (int)resp->result_case;
+	bufbroker__response__free_unpacked(resp, NULL);
+	return id;
+}
+
+/* Allocate a 4 KiB host buffer on raw (request id); returns its id. */
+static uint64_t raw_alloc(int raw, uint64_t id)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
+	Bufbroker__Response *resp = NULL;
+	int fd = -1;
+
+	a.size = 4096;
+	a.kind = BUFBROKER__KIND__KIND_HOST;
+	req.op_case = BUFBROKER__REQUEST__OP_ALLOC;
+	req.alloc = &a;
+	raw_send(raw, &req, id, false);
+	cr_assert_eq(bbt_raw_recv(raw, bbt_ms(3000), &resp, &fd), 1, "no answer to Alloc");
+	bool ok = resp->id == id && resp->status && resp->status->code == 0 && resp->grant &&
+		  resp->grant->info;
+	uint64_t buf = ok ? resp->grant->info->id : 0;
+	bufbroker__response__free_unpacked(resp, NULL);
+	if (fd >= 0)
+		close(fd);
+	cr_assert(ok, "Alloc failed");
+	return buf;
+}
+
+/* Whether d's status shows want parked waits, waiting for it a while. */
+static bool waits_become(bb_client *c, uint64_t want)
+{
+	bbt_totals t = {0};
+	int64_t deadline = bbt_now_ms() + bbt_ms(3000);
+	while (bbt_server_totals(c, &t) == 0 && t.waits != want && bbt_now_ms() < deadline)
+		bbt_sleep_ms(5);
+	return t.waits == want;
+}
+
+Test(order, woken_waits_are_answered_before_the_set_ready_that_woke_them)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *admin = bbt_connect(d);
+	int raw = raw_open(d);
+	uint64_t buf = raw_alloc(raw, 2);
+
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Wait w = BUFBROKER__WAIT__INIT;
+	w.id = buf;
+	w.timeout_ms = -1;
+	req.op_case = BUFBROKER__REQUEST__OP_WAIT;
+	req.wait = &w;
+	raw_send(raw, &req, 10, false);
+	raw_send(raw, &req, 11, false);
+	cr_assert(waits_become(admin, 2), "the two Waits did not park");
+
+	Bufbroker__Request set = BUFBROKER__REQUEST__INIT;
+	Bufbroker__SetReady sr = BUFBROKER__SET_READY__INIT;
+	sr.id = buf;
+	set.op_case = BUFBROKER__REQUEST__OP_SET_READY;
+	set.set_ready = &sr;
+	raw_send(raw, &set, 12, false);
+
+	uint64_t want[] = {10, 11, 12};
+	int want_result[] = {BUFBROKER__RESPONSE__RESULT_WAIT, BUFBROKER__RESPONSE__RESULT_WAIT,
+			     BUFBROKER__RESPONSE__RESULT__NOT_SET};
+	for (int i = 0; i < 3; i++) {
+		int code, result;
+		uint64_t id = raw_next(raw, &code, &result);
+		cr_assert_eq(id, want[i], "answer %d is to request %llu, want %llu", i,
+			     (unsigned long long)id, (unsigned long long)want[i]);
+		cr_assert_eq(code, 0, "request %llu failed with %d", (unsigned long long)id, code);
+		cr_assert_eq(result, want_result[i], "request %llu: result %d",
+			     (unsigned long long)id, result);
+	}
+	close(raw);
+	bb_disconnect(admin);
+	bbt_stop_clean(d);
+}
+
+Test(order, a_no_reply_wait_is_refused_without_an_answer)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *admin = bbt_connect(d);
+	int raw = raw_open(d);
+	uint64_t buf = raw_alloc(raw, 2);
+
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Wait w = BUFBROKER__WAIT__INIT;
+	w.id = buf;
+	w.timeout_ms = -1;
+	req.op_case = BUFBROKER__REQUEST__OP_WAIT;
+	req.wait = &w;
+	raw_send(raw, &req, 20, true);
+
+	/* Answered in order: the next answer is to the Stat sent after it. */
+	Bufbroker__Request st = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Stat s = BUFBROKER__STAT__INIT;
+	s.target_case = BUFBROKER__STAT__TARGET_ID;
+	s.id = buf;
+	st.op_case = BUFBROKER__REQUEST__OP_STAT;
+	st.stat = &s;
+	raw_send(raw, &st, 21, false);
+	int code, result;
+	uint64_t id = raw_next(raw, &code, &result);
+	cr_assert_eq(id, 21, "the first answer is to request %llu, want the Stat's (21)",
+		     (unsigned long long)id);
+	cr_assert_eq(code, 0);
+	cr_assert_eq(result, BUFBROKER__RESPONSE__RESULT_INFO);
+	/* Refused, not parked: nothing waits on the buffer. */
+	cr_assert(waits_become(admin, 0), "the no_reply Wait was parked");
+	close(raw);
+	bb_disconnect(admin);
+	bbt_stop_clean(d);
+}
+
+Test(order, uid_0_is_under_the_per_uid_buffer_limit)
+{
+	if (geteuid() != 0)
+		cr_skip_test("needs root: the rule is about uid 0");
+	static const char *const args[] = {"--uid-buffers", "2", NULL};
+	bbt_daemon *d = bbt_start(args);
+	int raw = raw_open(d);
+	raw_alloc(raw, 2);
+	raw_alloc(raw, 3);
+
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
+	a.size = 4096;
+	a.kind = BUFBROKER__KIND__KIND_HOST;
+	req.op_case = BUFBROKER__REQUEST__OP_ALLOC;
+	req.alloc = &a;
+	raw_send(raw, &req, 4, false);
+	int code, result;
+	uint64_t id = raw_next(raw, &code, &result);
+	cr_assert_eq(id, 4);
+	cr_assert_eq(code, BB_ERR_NO_MEMORY, "root's third buffer over --uid-buffers 2: status %d",
+		     code);
+	close(raw);
+	bbt_stop_clean(d);
+}
