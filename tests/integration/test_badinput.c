@@ -508,6 +508,23 @@ static size_t pack_retain(uint8_t *buf, size_t cap, uint64_t req_id, uint64_t id
 	return bufbroker__request__pack(&req, buf);
 }
 
+/* Send the n datagrams of msgs with sendmmsg (again for the rest if a call
+ * sends fewer): how many went out before an error. */
+static int send_mmsgs(int raw, struct mmsghdr *msgs, int n)
+{
+	int sent = 0;
+
+	while (sent < n) {
+		int k = sendmmsg(raw, msgs + sent, (unsigned)(n - sent), MSG_NOSIGNAL);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			break;
+		sent += k;
+	}
+	return sent;
+}
+
 /* Queue Retain 300, Retain 301, garbage, Retain 302 carrying fd, Retain
  * 303 with one sendmmsg, so that the daemon finds them queued together.
  * Returns how many datagrams went out: fewer than five when the daemon read
@@ -543,17 +560,7 @@ static int send_garbage_sandwich(int raw, uint64_t id, int fd)
 	c->cmsg_type = SCM_RIGHTS;
 	c->cmsg_len = CMSG_LEN(sizeof(int));
 	memcpy(CMSG_DATA(c), &fd, sizeof(int));
-
-	int sent = 0;
-	while (sent < 5) {
-		int n = sendmmsg(raw, msgs + sent, (unsigned)(5 - sent), MSG_NOSIGNAL);
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n <= 0)
-			break;
-		sent += n;
-	}
-	return sent;
+	return send_mmsgs(raw, msgs, 5);
 }
 
 /* A datagram that ends the connection in the middle of what the daemon
@@ -849,36 +856,6 @@ static uint64_t raw_alloc(int raw, uint64_t req_id)
 	return id;
 }
 
-/* Send Wait {id, timeout_ms} (answered later: not read here). */
-static void send_wait(int raw, uint64_t req_id, uint64_t id, int32_t timeout_ms)
-{
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Wait w = BUFBROKER__WAIT__INIT;
-
-	w.id = id;
-	w.timeout_ms = timeout_ms;
-	req.id = req_id;
-	req.op_case = BUFBROKER__REQUEST__OP_WAIT;
-	req.wait = &w;
-	cr_assert_eq(bbt_raw_send(raw, &req, -1), 0, "sending Wait %llu",
-		     (unsigned long long)req_id);
-}
-
-/* Send Stat {id} (its answer is not read here). */
-static void send_stat(int raw, uint64_t req_id, uint64_t id)
-{
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Stat st = BUFBROKER__STAT__INIT;
-
-	st.target_case = BUFBROKER__STAT__TARGET_ID;
-	st.id = id;
-	req.id = req_id;
-	req.op_case = BUFBROKER__REQUEST__OP_STAT;
-	req.stat = &st;
-	cr_assert_eq(bbt_raw_send(raw, &req, -1), 0, "sending Stat %llu",
-		     (unsigned long long)req_id);
-}
-
 /* Read one answer on raw: request id want_id, status 0, with the result
  * want_result; returned for a closer look (free it). */
 static Bufbroker__Response *expect_answer(int raw, uint64_t want_id, int want_result,
@@ -919,9 +896,9 @@ Test(badinput, half_closed_peer_paused_by_parked_waits_gets_every_answer)
 	cr_assert_eq(bb_open(good, y_id, &y), 0, "bb_open: %s", bb_last_error());
 
 	for (int k = 0; k < WAITS; k++)
-		send_wait(raw, PIPE_ID(k), y_id, -1);
+		cr_assert_eq(bbt_raw_wait(raw, PIPE_ID(k), y_id, -1), 0, "sending a Wait");
 	for (int k = WAITS; k < WAITS + STATS; k++)
-		send_stat(raw, PIPE_ID(k), x_id);
+		cr_assert_eq(bbt_raw_stat(raw, PIPE_ID(k), x_id), 0, "sending a Stat");
 	size_t from = bbt_log_size(d);
 	cr_assert_eq(shutdown(raw, SHUT_WR), 0, "shutdown: %s", strerror(errno));
 	/* Seen while reading is paused, before a Wait is answered. */
@@ -976,7 +953,7 @@ Test(badinput, half_closed_peer_that_closes_is_released_at_once)
 	rig_up(&r, true);
 	uint64_t x_id = raw_alloc(r.raw, 2);
 	cr_assert_eq(bb_open(r.good, x_id, &x), 0, "bb_open: %s", bb_last_error());
-	send_wait(r.raw, PIPE_ID(0), bb_id(r.held), -1);
+	cr_assert_eq(bbt_raw_wait(r.raw, PIPE_ID(0), bb_id(r.held), -1), 0, "sending a Wait");
 	size_t from = bbt_log_size(r.d);
 	cr_assert_eq(shutdown(r.raw, SHUT_WR), 0, "shutdown: %s", strerror(errno));
 	const char *const needles[] = {"peer_half_closed", NULL};
@@ -1002,30 +979,6 @@ Test(badinput, half_closed_peer_that_closes_is_released_at_once)
 	bb_unref(x);
 	good_client_works(&r, "a half-closed peer that closed");
 	rig_down(&r);
-}
-
-/* Send the iovecs as n datagrams with one sendmmsg (retried for the rest
- * if the call sends fewer): how many went out before an error. */
-static int send_together(int raw, struct iovec *iov, int n)
-{
-	struct mmsghdr msgs[8];
-	int sent = 0;
-
-	cr_assert_leq(n, 8);
-	memset(msgs, 0, sizeof(msgs));
-	for (int i = 0; i < n; i++) {
-		msgs[i].msg_hdr.msg_iov = &iov[i];
-		msgs[i].msg_hdr.msg_iovlen = 1;
-	}
-	while (sent < n) {
-		int k = sendmmsg(raw, msgs + sent, (unsigned)(n - sent), MSG_NOSIGNAL);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k <= 0)
-			break;
-		sent += k;
-	}
-	return sent;
 }
 
 /* On a new raw connection to d: a buffer of its own, WAKE Waits on it
@@ -1054,9 +1007,9 @@ static int doomed_with_answers_queued(const bbt_daemon *d, bb_client *good)
 	cr_assert_eq(bbt_raw_hello(raw, 1, BB_PROTO_MAJOR), 0, "Hello was refused");
 	uint64_t id = raw_alloc(raw, 2);
 	for (int k = 0; k < WAKE; k++)
-		send_wait(raw, PIPE_ID(k), id, -1);
+		cr_assert_eq(bbt_raw_wait(raw, PIPE_ID(k), id, -1), 0, "sending a Wait");
 	/* Answered after every Wait was read (and parked). */
-	send_stat(raw, 3, id);
+	cr_assert_eq(bbt_raw_stat(raw, 3, id), 0, "sending a Stat");
 	Bufbroker__Response *resp =
 		expect_answer(raw, 3, BUFBROKER__RESPONSE__RESULT_INFO, "Stat behind the Waits");
 	bufbroker__response__free_unpacked(resp, NULL);
@@ -1067,8 +1020,10 @@ static int doomed_with_answers_queued(const bbt_daemon *d, bb_client *good)
 	req.set_ready = &sr;
 	struct iovec iov[2] = {{buf, bufbroker__request__pack(&req, buf)},
 			       {(void *)garbage, sizeof(garbage)}};
+	struct mmsghdr msgs[2] = {{.msg_hdr = {.msg_iov = &iov[0], .msg_iovlen = 1}},
+				  {.msg_hdr = {.msg_iov = &iov[1], .msg_iovlen = 1}}};
 	size_t from = bbt_log_size(d);
-	cr_assert_eq(send_together(raw, iov, 2), 2, "sendmmsg: %s", strerror(errno));
+	cr_assert_eq(send_mmsgs(raw, msgs, 2), 2, "sendmmsg: %s", strerror(errno));
 	cr_assert_eq(bbt_server_totals(good, &t), 0, "ServerStatus");
 	if (bbt_log_wait_line(d, from, 0, needles))
 		return raw;
