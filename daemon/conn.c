@@ -12,9 +12,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <fcntl.h>
+#include <linux/sockios.h>
 
 #include <utlist.h>
 
@@ -39,7 +41,11 @@ struct conn {
 	session *session;            /* the request layer's side; NULL once closed */
 	uint32_t uid, pid;           /* SO_PEERCRED, for logs */
 	bool doomed;                 /* will be closed at the end of this loop turn */
+	bool lingering;              /* doomed: sending its queued output before it closes */
+	bool discard;                /* doomed: close without sending the queued output */
 	bool closed;                 /* uv_close called */
+	bool rdhup;                  /* the peer shut down its sending side (seen; not watched) */
+	bool eof;                    /* read the end of its stream: close once all is answered */
 	char why[192];               /* why it is being closed, for the log */
 	outmsg *out_head, *out_tail; /* queued responses */
 	uint64_t out_bytes;          /* bytes in the queue */
@@ -65,6 +71,14 @@ void conn_env_free(conn_env *env)
 	env->rbuf = NULL;
 }
 
+/* Put c on env's list of connections for the reaper's conn_close. */
+static void reap_push(conn *c)
+{
+	c->doomed_next = c->env->doomed;
+	c->env->doomed = c;
+	c->env->reap_soon(c->env->ctx);
+}
+
 void conn_doom(conn *c, const char *why)
 {
 	if (c->doomed || c->closed)
@@ -74,9 +88,7 @@ void conn_doom(conn *c, const char *why)
 	snprintf(c->why, sizeof(c->why), "%s", why);
 	/* No more reading: nothing from a doomed connection is acted on. */
 	uv_poll_stop(&c->poll);
-	c->doomed_next = c->env->doomed;
-	c->env->doomed = c;
-	c->env->reap_soon(c->env->ctx);
+	reap_push(c);
 }
 
 conn *conn_next_doomed(conn_env *env)
@@ -103,6 +115,7 @@ static void enqueue(conn *c, const unsigned char *data, size_t len, int fd)
 			 (unsigned long long)(c->out_bytes + len),
 			 (unsigned long long)c->env->limits.queue_bytes);
 		conn_doom(c, why);
+		c->discard = true; /* it does not read: no use sending the rest */
 		return;
 	}
 	outmsg *m = malloc(sizeof(*m) + len);
@@ -199,17 +212,16 @@ static bool reply_closing(void *ctx)
 	return c->doomed || c->closed;
 }
 
-static void flush(conn *c)
+/* Send what is queued, oldest first, while the socket takes it: 0 when
+ * all went, -EAGAIN when the socket is full, or another -errno (the peer
+ * is gone). */
+static int send_queued(conn *c)
 {
 	while (c->out_head) {
 		outmsg *m = c->out_head;
 		ssize_t n = msgio_send(c->fd, m->data, m->len, m->fd);
-		if (n == -EAGAIN)
-			return;
-		if (n < 0) {
-			conn_doom(c, "peer gone while sending");
-			return;
-		}
+		if (n < 0)
+			return (int)n;
 		c->out_head = m->next;
 		if (!c->out_head)
 			c->out_tail = NULL;
@@ -218,6 +230,16 @@ static void flush(conn *c)
 		if (m->fd >= 0)
 			close(m->fd);
 		free(m);
+	}
+	return 0;
+}
+
+static void flush(conn *c)
+{
+	int rc = send_queued(c);
+	if (rc < 0 && rc != -EAGAIN) {
+		conn_doom(c, "peer gone while sending");
+		return;
 	}
 	conn_update(c);
 }
@@ -231,19 +253,34 @@ static void on_io(uv_poll_t *p, int status, int events);
  * output until they are answered, so they have their own bound: at
  * conn_inflight of them reading pauses too, until one is answered. The end
  * of the peer is watched throughout, so that a client that goes away while
- * paused releases what it held at once. */
+ * paused releases what it held at once.
+ *
+ * A peer that shut down only its sending side (shutdown(SHUT_WR)) can
+ * still read: its requests are read up to the end of its stream and all
+ * are answered, parked ones as they complete, and the connection closes
+ * once nothing is left to answer or send. UV_DISCONNECT (EPOLLRDHUP) is
+ * level-triggered and would wake the loop every turn from then on, so it
+ * is watched only until it is first seen; after that only a hangup
+ * (EPOLLHUP: the peer closed completely) ends the connection early, and
+ * epoll reports a hangup whatever is watched. UV_PRIORITIZED, which a Unix
+ * socket never raises, keeps the handle watching when nothing else is. */
 static void conn_update(conn *c)
 {
 	if (c->doomed || c->closed)
 		return;
-	int ev = UV_DISCONNECT;
+	if (c->eof && !c->out_head && c->inflight == 0) {
+		conn_doom(c, "peer half-closed; every request answered");
+		return;
+	}
+	int ev = c->rdhup ? UV_PRIORITIZED : UV_DISCONNECT;
 	if (c->out_head)
 		ev |= UV_WRITABLE;
-	else if (c->inflight < c->env->limits.conn_inflight)
+	else if (!c->eof && c->inflight < c->env->limits.conn_inflight)
 		ev |= UV_READABLE;
 	if (ev == c->events)
 		return;
-	if (!c->out_head && !(ev & UV_READABLE)) {
+	if (!c->out_head && !c->eof && !(ev & UV_READABLE) &&
+	    (c->events & (UV_READABLE | UV_WRITABLE))) {
 		/* Counted once per pause, not per request it holds back. */
 		metrics_refused(c->env->counters, METRICS_LIMIT_CONN_INFLIGHT);
 		log_debug("event=reading_paused conn=%llu uid=%u pid=%u inflight=%u limit=%u",
@@ -265,27 +302,67 @@ static void protocol_error(conn *c, uint64_t id, const char *msg, bool close_aft
 		conn_doom(c, msg);
 }
 
-/* Whether the peer has closed its end: told apart from an empty datagram
- * (both read as 0 bytes) when the readiness did not say so, as when the
- * peer closed between the wakeup and the read, or a batch read the end of
- * the stream behind its last requests. */
-static bool peer_closed(int fd)
+/* Whether the peer has closed completely (or shut down its reading side
+ * too): nothing sent to it can be read any more. */
+static bool peer_hung_up(int fd)
 {
-	struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+	struct pollfd p = {.fd = fd};
 
-	return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP));
+	return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR));
 }
 
-/* Act on one datagram of n bytes at data (fd attached, or -1). */
-static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n, int fd,
-			    int truncated)
+/* Whether a 0-byte read at slot i of the got that a batch read is the end
+ * of the peer's stream, not an empty datagram (both read as 0 bytes): the
+ * peer shut down its sending side, and no datagram with bytes, an fd or
+ * too much of either follows, in the batch (a batch reads the end of the
+ * stream again into every slot after it) or still queued. The readiness
+ * does not tell: the peer may have closed between the wakeup and the
+ * read. Empty datagrams sent just before the end cannot be told from it;
+ * they are dropped with it. */
+static bool end_of_stream(const conn *c, const msgio_slot *slot, int i, int got)
 {
-	conn_env *env = c->env;
-	uint32_t max = env->limits.max_datagram;
-	if (n == 0 && fd < 0 && ((events & UV_DISCONNECT) || peer_closed(c->fd))) {
+	struct pollfd p = {.fd = c->fd, .events = POLLRDHUP};
+	int queued = 0;
+
+	for (int k = i; k < got; k++)
+		if (slot[k].len || slot[k].fd >= 0 || slot[k].truncated)
+			return false;
+	if (poll(&p, 1, 0) != 1 || !(p.revents & (POLLRDHUP | POLLHUP)))
+		return false;
+	return ioctl(c->fd, SIOCINQ, &queued) < 0 || queued == 0;
+}
+
+/* The peer shut down its sending side and can still read (first seen).
+ * Nothing changes but what is watched (conn_update): its requests are read
+ * up to the end of its stream and answered. */
+static void half_closed(conn *c)
+{
+	c->rdhup = true;
+	log_info("event=peer_half_closed conn=%llu uid=%u pid=%u parked=%u queued_bytes=%llu",
+		 (unsigned long long)c->serial, c->uid, c->pid, c->inflight,
+		 (unsigned long long)c->out_bytes);
+}
+
+/* The peer's stream ended: close now if it cannot read either, else
+ * answer what it sent (conn_update closes the connection once that is
+ * done). */
+static void read_end(conn *c)
+{
+	if (peer_hung_up(c->fd)) {
 		conn_doom(c, "peer closed");
 		return;
 	}
+	if (!c->rdhup)
+		half_closed(c);
+	c->eof = true;
+	conn_update(c);
+}
+
+/* Act on one datagram of n bytes at data (fd attached, or -1). */
+static void handle_datagram(conn *c, unsigned char *data, ssize_t n, int fd, int truncated)
+{
+	conn_env *env = c->env;
+	uint32_t max = env->limits.max_datagram;
 	if (truncated || (size_t)n > max) {
 		if (fd >= 0)
 			close(fd);
@@ -337,7 +414,7 @@ static void handle_datagram(conn *c, int events, unsigned char *data, ssize_t n,
  * reads one recvmsg each, then batching is tried again. The batch never
  * holds more than the parked-request bound has room for, so conn_inflight
  * stays exact; once the connection is doomed the rest are dropped. */
-static void read_batch(conn *c, int events)
+static void read_batch(conn *c)
 {
 	conn_env *env = c->env;
 	msgio_slot slot[CONN_READ_BATCH];
@@ -364,12 +441,16 @@ static void read_batch(conn *c, int events)
 	else if (c->single_reads)
 		c->single_reads--;
 	for (int i = 0; i < got; i++) {
-		if (c->doomed || c->closed) {
+		if (c->doomed || c->closed || c->eof) {
 			if (slot[i].fd >= 0)
 				close(slot[i].fd);
 			continue;
 		}
-		handle_datagram(c, events, slot[i].buf, (ssize_t)slot[i].len, slot[i].fd,
+		if (slot[i].len == 0 && end_of_stream(c, slot, i, got)) {
+			read_end(c);
+			continue;
+		}
+		handle_datagram(c, slot[i].buf, (ssize_t)slot[i].len, slot[i].fd,
 				slot[i].truncated);
 	}
 }
@@ -383,16 +464,22 @@ static void on_io(uv_poll_t *p, int status, int events)
 		conn_doom(c, uv_strerror(status));
 		return;
 	}
-	if (events & UV_WRITABLE) {
+	/* Seen once; from now on only a hangup is watched (conn_update). */
+	if ((events & UV_DISCONNECT) && !c->rdhup) {
+		if (peer_hung_up(c->fd))
+			c->rdhup = true;
+		else
+			half_closed(c);
+	}
+	if (events & UV_WRITABLE)
 		flush(c);
-		return;
-	}
-	if (events & UV_READABLE) {
-		read_batch(c, events);
-		return;
-	}
-	/* UV_DISCONNECT alone: nothing left to read. */
-	conn_doom(c, "peer closed");
+	else if (events & UV_READABLE)
+		read_batch(c);
+	else if (peer_hung_up(c->fd))
+		conn_doom(c, "peer closed");
+	/* Else the peer shut down its sending side while reading is paused:
+	 * what it sent before is read when reading resumes. */
+	conn_update(c);
 }
 
 /* ---- lifecycle ---------------------------------------------------------------- */
@@ -445,11 +532,12 @@ conn *conn_start(conn_env *env, int fd, uint32_t uid, uint32_t gid, uint32_t pid
 /* Most queued datagrams a closing connection's drain reads. */
 #define CONN_DRAIN_MAX 4096
 
-/* Before the socket is closed: a Unix socket closed with datagrams still
- * queued to it makes its peer's next read fail with ECONNRESET, ahead of
- * the answers (and the error that ended the connection) already queued
- * for the peer. Stop the peer sending, then read what it had sent and drop
- * it, closing any fds it carried. */
+/* When a connection starts closing, before its queued output goes: a Unix
+ * socket closed with datagrams still queued to it makes its peer's next
+ * read fail with ECONNRESET, ahead of the answers (and the error that
+ * ended the connection) already queued for the peer. Stop the peer
+ * sending, then read what it had sent and drop it, closing any fds it
+ * carried. */
 static void drain(int fd)
 {
 	unsigned char byte;
@@ -466,18 +554,54 @@ static void drain(int fd)
 	}
 }
 
-void conn_close(conn *c)
+/* Release what c held and close it: no more lingering. */
+static void close_now(conn *c)
 {
-	if (c->closed)
-		return;
 	c->closed = true;
 	if (c->session)
 		handler_session_close(c->session, c->why);
 	c->session = NULL;
 	DL_DELETE(c->env->conns, c);
 	uv_poll_stop(&c->poll);
-	drain(c->fd);
 	uv_close((uv_handle_t *)&c->poll, on_closed);
+}
+
+/* A lingering connection's socket has room, or the peer is gone. */
+static void on_linger(uv_poll_t *p, int status, int events)
+{
+	conn *c = p->data;
+
+	(void)events;
+	if (c->closed || c->discard)
+		return; /* the reaper closes it this turn */
+	if (status == 0 && send_queued(c) == -EAGAIN)
+		return;
+	close_now(c);
+}
+
+void conn_close(conn *c)
+{
+	if (c->closed)
+		return;
+	if (!c->lingering) {
+		uv_poll_stop(&c->poll);
+		/* What the peer sent after what doomed it is never acted on. */
+		if (c->session)
+			handler_session_drop_parked(c->session);
+		drain(c->fd);
+	}
+	if (c->out_head && !c->discard && send_queued(c) == -EAGAIN) {
+		/* The answers queued for the peer (and the error that doomed
+		 * it) go first; the send timeout bounds the wait, and a peer
+		 * that is gone ends it at once. */
+		if (!c->lingering) {
+			c->lingering = true;
+			uv_poll_start(&c->poll, UV_WRITABLE, on_linger);
+			c->env->output_queued(c->env->ctx);
+		}
+		return;
+	}
+	close_now(c);
 }
 
 void conn_update_all(conn_env *env)
@@ -491,7 +615,8 @@ uint64_t conn_sweep_stalled(conn_env *env, uint64_t now)
 	uint64_t limit = env->limits.send_timeout_ms, next = UINT64_MAX;
 	conn *c;
 	DL_FOREACH (env->conns, c) {
-		if (!c->out_head || c->doomed || c->closed)
+		/* Doomed ones too: they send what is queued before they close. */
+		if (!c->out_head || c->discard || c->closed)
 			continue;
 		uint64_t still = now - c->out_moved_ms;
 		if (still < limit) {
@@ -511,7 +636,11 @@ uint64_t conn_sweep_stalled(conn_env *env, uint64_t now)
 			 "limit is %llu ms (--send-timeout)",
 			 (unsigned long long)c->out_bytes, (unsigned long long)still,
 			 (unsigned long long)limit);
-		conn_doom(c, why);
+		if (c->lingering)
+			reap_push(c);
+		else
+			conn_doom(c, why);
+		c->discard = true;
 	}
 	return next;
 }
@@ -526,6 +655,7 @@ void conn_close_all(conn_env *env)
 		if (c->session)
 			handler_session_drop_parked(c->session);
 		c->doomed = true;
+		c->discard = true;
 	}
 	while (env->conns)
 		conn_close(env->conns);

@@ -6,7 +6,9 @@
  * is full. It owns backpressure (a queue over its limit, or too many
  * parked requests, pauses reading), the fds that travel with datagrams,
  * and the closing of a connection (at the end of a loop turn, after
- * draining what the peer had queued).
+ * draining what the peer had queued and sending what was queued for it).
+ * A peer that shuts down only its sending side gets every answer to what
+ * it sent before the connection closes.
  *
  * Connections are kept in a conn_env, which the server owns and drives:
  * it closes doomed connections after each loop turn (the reap_soon
@@ -73,24 +75,30 @@ void conn_env_free(conn_env *env);
  * memory (fd is still the caller's). */
 conn *conn_start(conn_env *env, int fd, uint32_t uid, uint32_t gid, uint32_t pid, bool denied);
 /* Close c at the end of this loop turn (env's reap_soon): nothing it sends
- * from now on is read. why is copied, for the log. */
+ * from now on is read, nothing more is answered; what is already queued
+ * for it is still sent (conn_close). why is copied, for the log. */
 void conn_doom(conn *c, const char *why);
 /* The next doomed connection, taken off env's doomed list; NULL when none. */
 conn *conn_next_doomed(conn_env *env);
-/* Release everything c held (its session) and close it; its memory goes
- * when its handle's close callback runs. */
+/* Close doomed c: drop what its peer sent and was not read, send what is
+ * queued for the peer (c lingers, reading nothing, until the socket took
+ * it, the peer is gone, or it stalls for send_timeout_ms; a timed-out
+ * linger comes back through env's doomed list), then release everything
+ * c held (its session) and close the socket. Its memory goes when its
+ * handle's close callback runs. */
 void conn_close(conn *c);
 /* Limits changed: let each connection paused by the old in-flight limit
  * read again. */
 void conn_update_all(conn_env *env);
 /* Doom each connection whose queued output has not moved for
- * send_timeout_ms at loop time now (its client stopped reading). Returns
+ * send_timeout_ms at loop time now (its client stopped reading), and end
+ * such a linger (conn_close) without sending the rest. Returns
  * the ms until the next could be due, UINT64_MAX when none has output
  * queued. */
 uint64_t conn_sweep_stalled(conn_env *env, uint64_t now);
 /* The daemon is stopping: silence every connection (parked requests
  * dropped unanswered, nothing more read) before any closes, then close
- * them all. */
+ * them all at once, sending nothing they had queued. */
 void conn_close_all(conn_env *env);
 /* The serial number of env's oldest open connection; 0 when none is. */
 uint64_t conn_first_serial(const conn_env *env);

@@ -651,6 +651,30 @@ int bbt_raw_send(int sock, const Bufbroker__Request *req, int attach_fd)
 	return rc;
 }
 
+int bbt_raw_wait(int sock, uint64_t req_id, uint64_t id, int32_t timeout_ms)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Wait w = BUFBROKER__WAIT__INIT;
+	w.id = id;
+	w.timeout_ms = timeout_ms;
+	req.id = req_id;
+	req.op_case = BUFBROKER__REQUEST__OP_WAIT;
+	req.wait = &w;
+	return bbt_raw_send(sock, &req, -1);
+}
+
+int bbt_raw_stat(int sock, uint64_t req_id, uint64_t id)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Stat st = BUFBROKER__STAT__INIT;
+	st.target_case = BUFBROKER__STAT__TARGET_ID;
+	st.id = id;
+	req.id = req_id;
+	req.op_case = BUFBROKER__REQUEST__OP_STAT;
+	req.stat = &st;
+	return bbt_raw_send(sock, &req, -1);
+}
+
 int bbt_raw_recv(int sock, int timeout_ms, Bufbroker__Response **out, int *fd_in)
 {
 	struct pollfd pfd = {.fd = sock, .events = POLLIN};

@@ -155,6 +155,11 @@ int bbt_raw_connect(const char *path);
 int bbt_raw_send_bytes(int sock, const void *buf, size_t len, int attach_fd);
 /* Pack req and send it as one datagram: 0 or -errno. */
 int bbt_raw_send(int sock, const Bufbroker__Request *req, int attach_fd);
+/* Send Wait {id, timeout_ms} (< 0: forever) as request req_id: 0 or
+ * -errno. */
+int bbt_raw_wait(int sock, uint64_t req_id, uint64_t id, int32_t timeout_ms);
+/* Send Stat {id} as request req_id: 0 or -errno. */
+int bbt_raw_stat(int sock, uint64_t req_id, uint64_t id);
 /* Wait up to timeout_ms for one datagram. 1: *out is a decoded response
  * (free with bufbroker__response__free_unpacked(*out, NULL)) and *fd_in an
  * attached fd or -1 (fd_in may be NULL: then it is closed); 0: end of

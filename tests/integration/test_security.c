@@ -278,30 +278,6 @@ static int raw_hello(const bbt_daemon *d)
 	return s;
 }
 
-static int raw_wait(int s, uint64_t req_id, uint64_t id, int32_t timeout_ms)
-{
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Wait w = BUFBROKER__WAIT__INIT;
-	w.id = id;
-	w.timeout_ms = timeout_ms;
-	req.id = req_id;
-	req.op_case = BUFBROKER__REQUEST__OP_WAIT;
-	req.wait = &w;
-	return bbt_raw_send(s, &req, -1);
-}
-
-static int raw_stat(int s, uint64_t req_id, uint64_t id)
-{
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Stat st = BUFBROKER__STAT__INIT;
-	st.target_case = BUFBROKER__STAT__TARGET_ID;
-	st.id = id;
-	req.id = req_id;
-	req.op_case = BUFBROKER__REQUEST__OP_STAT;
-	req.stat = &st;
-	return bbt_raw_send(s, &req, -1);
-}
-
 /* One response within timeout_ms: 1 with its id, code and message; 0 end
  * of stream; -ETIMEDOUT; another -errno. */
 static int raw_answer(int s, int timeout_ms, uint64_t *id, int *code, char *msg, size_t len)
@@ -1283,9 +1259,9 @@ Test(security, wait_limit_is_per_connection_and_says_the_numbers)
 	bb_buf *b = alloc_kind(c, BB_HOST, 4096, NULL, BB_SHARE_ANY);
 	int r = raw_hello(d);
 
-	cr_assert_eq(raw_wait(r, 1, bb_id(b), -1), 0);
-	cr_assert_eq(raw_wait(r, 2, bb_id(b), -1), 0);
-	cr_assert_eq(raw_wait(r, 3, bb_id(b), -1), 0);
+	cr_assert_eq(bbt_raw_wait(r, 1, bb_id(b), -1), 0);
+	cr_assert_eq(bbt_raw_wait(r, 2, bb_id(b), -1), 0);
+	cr_assert_eq(bbt_raw_wait(r, 3, bb_id(b), -1), 0);
 	uint64_t id = 0;
 	int code;
 	char msg[256];
@@ -1352,8 +1328,8 @@ Test(security, inflight_limit_pauses_reading_until_a_parked_request_is_answered)
 	int r = raw_hello(d);
 
 	for (uint64_t i = 1; i <= 4; i++)
-		cr_assert_eq(raw_wait(r, i, bb_id(b), -1), 0);
-	cr_assert_eq(raw_stat(r, 100, bb_id(b)), 0);
+		cr_assert_eq(bbt_raw_wait(r, i, bb_id(b), -1), 0);
+	cr_assert_eq(bbt_raw_stat(r, 100, bb_id(b)), 0);
 	uint64_t id = 0;
 	int code;
 	int rc = raw_answer(r, 400, &id, &code, NULL, 0);
@@ -1394,8 +1370,8 @@ Test(security, a_paused_client_that_goes_away_releases_everything_at_once)
 	int r = raw_hello(d);
 
 	for (uint64_t i = 1; i <= 4; i++)
-		cr_assert_eq(raw_wait(r, i, bb_id(b), -1), 0);
-	cr_assert_eq(raw_stat(r, 100, bb_id(b)), 0);
+		cr_assert_eq(bbt_raw_wait(r, i, bb_id(b), -1), 0);
+	cr_assert_eq(bbt_raw_stat(r, 100, bb_id(b)), 0);
 	bbt_totals t;
 	for (int i = 0; i < 200; i++) {
 		cr_assert_eq(bbt_server_totals(c, &t), 0);
@@ -1426,7 +1402,7 @@ Test(security, a_wait_storm_to_a_client_that_does_not_read_disconnects_it)
 	size_t from = bbt_log_size(d);
 
 	for (uint64_t i = 1; i <= STORM; i++)
-		cr_assert_eq(raw_wait(r, i, bb_id(b), -1), 0);
+		cr_assert_eq(bbt_raw_wait(r, i, bb_id(b), -1), 0);
 	bbt_totals t;
 	for (int i = 0; i < 500; i++) {
 		cr_assert_eq(bbt_server_totals(c, &t), 0);
@@ -1476,7 +1452,7 @@ Test(security, a_pipelining_client_that_stops_reading_is_disconnected_after_the_
 	uint64_t sent = 0;
 	int64_t last_ok = bbt_now_ms(), t0 = last_ok;
 	while (bbt_now_ms() - last_ok < bbt_ms(200) && bbt_now_ms() - t0 < bbt_ms(5000)) {
-		int rc = raw_stat(r, sent + 1, bb_id(b));
+		int rc = bbt_raw_stat(r, sent + 1, bb_id(b));
 		if (rc == 0) {
 			sent++;
 			last_ok = bbt_now_ms();
@@ -1513,7 +1489,7 @@ static void *flood_sender(void *arg)
 {
 	struct flood *f = arg;
 	for (uint64_t i = 1; i <= f->n; i++) {
-		int rc = raw_stat(f->sock, i, f->id);
+		int rc = bbt_raw_stat(f->sock, i, f->id);
 		if (rc != 0) {
 			atomic_store(&f->failed, -rc);
 			break;
