@@ -164,7 +164,11 @@ int bb_open_name(bb_client *c, const char *name, bb_buf **out);
  * read-write, with no write seal. The daemon keeps its own duplicate and
  * seals the file with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL (an fd it
  * cannot seal is refused with BB_ERR_INVALID); you may close yours. The new
- * buffer is PENDING with one local count. */
+ * buffer is PENDING with one local count. The owner's uid is charged
+ * opts->size bytes, so a file more than one page larger than that is
+ * refused (BB_ERR_INVALID): make the memfd the buffer's size. The seals
+ * and the size are checked again once the daemon's seals are on: do not
+ * resize or seal the file while the call runs. */
 int bb_import_fd(bb_client *c, int fd, const bb_alloc_opts *opts, bb_buf **out);
 
 /* Local copies: no round trip except the last unref. NULL is allowed.
