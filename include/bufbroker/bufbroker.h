@@ -141,7 +141,8 @@ int bb_connect(const char *path, bb_client **out);
 void bb_disconnect(bb_client *c);
 
 /* A new buffer, PENDING, one local count held by the caller. Options out of
- * range (a name longer than BB_NAME_MAX bytes included): BB_ERR_INVALID; a
+ * range (a name longer than BB_NAME_MAX bytes, or not UTF-8, or with
+ * control characters, included): BB_ERR_INVALID; a
  * name that is taken: BB_ERR_EXISTS; a quota, a limit or a full device:
  * BB_ERR_NO_MEMORY; BB_CUDA where the daemon has no GPU:
  * BB_ERR_UNSUPPORTED. A CUDA buffer may share its allocation (a slab) with
@@ -154,7 +155,7 @@ int bb_alloc(bb_client *c, const bb_alloc_opts *opts, bb_buf **out);
 /* One more reference to an existing buffer (coalesced per connection: an id
  * this connection already holds returns the same handle, one more count).
  * No such buffer (or name): BB_ERR_NOT_FOUND; its share policy does not
- * admit the caller: BB_ERR_DENIED. A name is non-empty and at most
+ * admit the caller: BB_ERR_DENIED. A name is non-empty, UTF-8 and at most
  * BB_NAME_MAX bytes. */
 int bb_open(bb_client *c, uint64_t id, bb_buf **out);
 int bb_open_name(bb_client *c, const char *name, bb_buf **out);
