@@ -32,9 +32,11 @@
  * each hold a buffer see refs == 2. When the last holder lets go
  * (bb_unref, bb_release, bb_disconnect, a process that dies, a token that
  * expires), the buffer is freed at once: bb_stat on its id answers
- * BB_ERR_NOT_FOUND, the memory is returned (host: the memfd closed; CUDA:
+ * BB_ERR_NOT_FOUND, the memory is returned (host: the memfd's pages; CUDA:
  * the space free again) and its name may be given to a new buffer. Ids are
- * never reused.
+ * never reused. The daemon then closes a host buffer's memfd, or keeps it,
+ * emptied, for a later buffer of the same owner uid and page-rounded size
+ * (bufbrokerd --host-pool-memfds; 0 turns that off): see bb_map.
  *
  * Sharing: bytes written through one process's bb_map pointer are read
  * back through another's (host: at once; CUDA: after the writer's stream
@@ -219,7 +221,13 @@ int bb_wait(bb_buf *b, int timeout_ms, bb_state *state_out);
 
 /* Host: a pointer into the shared mapping, readable and writable (from
  * 2 MiB, advised MADV_HUGEPAGE over its whole 2 MiB extents: huge pages
- * where the kernel's shmem THP mode allows them). CUDA: a device pointer
+ * where the kernel's shmem THP mode allows them). A host buffer from
+ * bb_alloc starts as zeros. A mapping (or fd) that outlives the buffer's
+ * last count, kept by other means than this library, stays on the memfd,
+ * and the daemon may make the next buffer of the same uid and size from it
+ * (unless run with --host-pool-memfds 0): it would then read and write
+ * that buffer. CUDA buffers start with whatever the memory held (an
+ * earlier buffer's bytes of the same uid and policy). CUDA: a device pointer
  * valid in this process's primary context of the matching device. Valid
  * until the handle's last local count goes. The device is matched by UUID,
  * not ordinal, so CUDA_VISIBLE_DEVICES may differ between the daemon and
