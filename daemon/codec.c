@@ -129,14 +129,13 @@ static int check_strings(const ProtobufCMessageDescriptor *desc, const unsigned 
 			if (!read_varint(&p, end, &len) || len > (uint64_t)(end - p))
 				goto malformed;
 			break;
-		default: /* groups: protobuf-c refuses them */ goto malformed;
+		default: goto malformed; /* groups: protobuf-c refuses them */
 		}
 		const unsigned char *v = p;
 		p += len;
-		const ProtobufCFieldDescriptor *f =
-			key >> 3 <= UINT32_MAX ? protobuf_c_message_descriptor_get_field(
-							 desc, (unsigned)(key >> 3))
-					       : NULL;
+		const ProtobufCFieldDescriptor *f = NULL;
+		if (key >> 3 <= UINT32_MAX)
+			f = protobuf_c_message_descriptor_get_field(desc, (unsigned)(key >> 3));
 		if (!f) /* an unknown field: not ours to read */
 			continue;
 		if (f->type == PROTOBUF_C_TYPE_STRING) {
