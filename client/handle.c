@@ -24,6 +24,7 @@
 #include <utlist.h>
 
 #include "kinds.h"
+#include "utf8.h"
 
 /* Unmap, close and free a handle that is off every list. A CUDA handle
  * gives up its use of the allocation, which closes it when it was the
@@ -467,18 +468,6 @@ BB_EXPORT int bb_set_ready(bb_buf *b)
 	return rc;
 }
 
-/* Keep at most max bytes of s without splitting a UTF-8 sequence. */
-static size_t utf8_prefix(const char *s, size_t max)
-{
-	size_t len = strlen(s);
-
-	if (len <= max)
-		return len;
-	while (max > 0 && ((unsigned char)s[max] & 0xc0) == 0x80)
-		max--;
-	return max;
-}
-
 BB_EXPORT int bb_set_error(bb_buf *b, const char *message)
 {
 	Bufbroker__SetError se = BUFBROKER__SET_ERROR__INIT;
@@ -493,7 +482,7 @@ BB_EXPORT int bb_set_error(bb_buf *b, const char *message)
 	 * datagram limit. */
 	if (!message)
 		message = "";
-	size_t len = utf8_prefix(message, sizeof(msg) - 1);
+	size_t len = bb_utf8_prefix(message, sizeof(msg) - 1);
 	memcpy(msg, message, len);
 	msg[len] = '\0';
 	se.id = b->id;

@@ -110,6 +110,11 @@ static inline void backend_submit(backend *be, backend_job *job)
 /* The host backend: sealed memfds (MFD_CLOEXEC | MFD_ALLOW_SEALING, sized
  * to the request rounded up to whole pages, then F_SEAL_SHRINK |
  * F_SEAL_GROW | F_SEAL_SEAL); a buffer's size stays what was asked for.
+ * import_fd takes a memfd that allows sealing, open for reading and
+ * writing, with no write seal, of size bytes up to one page more; it seals
+ * its own duplicate and checks the seals and the size again on it, so what
+ * it hands out is what it checked (BB_ERR_INVALID otherwise; a file
+ * refused before the seal is left as it was).
  * It pools nothing until backend_host_pool turns pooling on. Caller frees
  * with destroy, which closes every pooled memfd. */
 backend *backend_host_new(void);

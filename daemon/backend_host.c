@@ -299,10 +299,43 @@ static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int 
 	return 0;
 }
 
+/* Whether the memfd behind fd may become a buffer of size bytes: no write
+ * seal (others could not map it writable), at least size bytes, and at
+ * most one page more (the rest of the file is memory the buffer's owner is
+ * not charged for). 0, or a BB_ERR_* code with a sentence in err. */
+static int import_check(const host_backend *hb, int fd, uint64_t size, char *err, size_t errlen)
+{
+	struct stat st;
+	int seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0)
+		return sys_fail(err, errlen, "reading the seals of the imported memfd");
+	if (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) {
+		snprintf(err, errlen,
+			 "the memfd carries a write seal; others could not map it writable");
+		return BB_ERR_INVALID;
+	}
+	if (fstat(fd, &st) < 0)
+		return sys_fail(err, errlen, "fstat of the imported memfd");
+	if ((uint64_t)st.st_size < size) {
+		snprintf(err, errlen, "the memfd has %lld bytes; %llu were asked for",
+			 (long long)st.st_size, (unsigned long long)size);
+		return BB_ERR_INVALID;
+	}
+	if ((uint64_t)st.st_size - size > hb->page) {
+		snprintf(err, errlen,
+			 "the memfd has %lld bytes; %llu were asked for, and the file may be "
+			 "at most one page (%llu bytes) larger",
+			 (long long)st.st_size, (unsigned long long)size,
+			 (unsigned long long)hb->page);
+		return BB_ERR_INVALID;
+	}
+	return 0;
+}
+
 static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, char *err,
 		       size_t errlen)
 {
-	struct stat st;
+	host_backend *hb = be->ctx;
 	int seals = fcntl(fd, F_GET_SEALS);
 	if (seals < 0) {
 		snprintf(err, errlen,
@@ -316,25 +349,16 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 			 "or it was made without MFD_ALLOW_SEALING)");
 		return BB_ERR_INVALID;
 	}
-	if (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) {
-		snprintf(err, errlen,
-			 "the memfd carries a write seal; others could not map it writable");
-		return BB_ERR_INVALID;
-	}
 	int fl = fcntl(fd, F_GETFL);
 	if (fl < 0 || (fl & O_ACCMODE) != O_RDWR) {
 		snprintf(err, errlen, "the fd must be open for reading and writing");
 		return BB_ERR_INVALID;
 	}
-	/* Refuse a short file before sealing it: a refused import leaves the
-	 * caller's memfd as it was. */
-	if (fstat(fd, &st) < 0)
-		return sys_fail(err, errlen, "fstat of the imported memfd");
-	if ((uint64_t)st.st_size < size) {
-		snprintf(err, errlen, "the memfd has %lld bytes; %llu were asked for",
-			 (long long)st.st_size, (unsigned long long)size);
-		return BB_ERR_INVALID;
-	}
+	/* Refuse before sealing what is refused anyway: a refused import
+	 * leaves the caller's memfd as it was. */
+	int rc = import_check(hb, fd, size, err, errlen);
+	if (rc)
+		return rc;
 	int mine = fcntl(fd, F_DUPFD_CLOEXEC, 3);
 	if (mine < 0)
 		return sys_fail(err, errlen, "duplicating the imported fd");
@@ -343,21 +367,15 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 		close(mine);
 		return BB_ERR_INVALID;
 	}
-	/* And again after sealing: before it, the sender could still shrink
-	 * the file between the first check and the seal. */
-	if (fstat(mine, &st) < 0) {
-		int rc = sys_fail(err, errlen, "fstat of the imported memfd");
+	/* And again, on the file the daemon will hand out, now that nobody
+	 * can change its size or its seals: until the seal, the sender could
+	 * still resize the file or add a write seal behind the first check. */
+	if ((rc = import_check(hb, mine, size, err, errlen))) {
 		close(mine);
 		return rc;
 	}
-	if ((uint64_t)st.st_size < size) {
-		snprintf(err, errlen, "the memfd has %lld bytes; %llu were asked for",
-			 (long long)st.st_size, (unsigned long long)size);
-		close(mine);
-		return BB_ERR_INVALID;
-	}
 	/* Its maker holds the file: exposed from the start, never pooled. */
-	if (host_track(be->ctx, mine, true) < 0) {
+	if (host_track(hb, mine, true) < 0) {
 		close(mine);
 		snprintf(err, errlen, "daemon out of memory");
 		return BB_ERR_NO_MEMORY;

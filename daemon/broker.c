@@ -6,6 +6,7 @@
 #include "size.h"
 #include "broker.h"
 #include "idmap.h"
+#include "utf8.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -317,7 +318,8 @@ static void settle(broker *b, broker_buf *buf, bb_state state, const char *error
 	if (error) {
 		/* Only FAILED buffers pay for a message. Settling cannot fail,
 		 * so without memory the buffer still fails, with a stock one. */
-		buf->error = strndup(error, BUF_ERROR_MAX);
+		/* Cut between characters: the message travels as UTF-8. */
+		buf->error = strndup(error, bb_utf8_prefix(error, BUF_ERROR_MAX));
 		if (!buf->error)
 			buf->error = error_unstored;
 	}
@@ -438,6 +440,9 @@ static int check_name(const char *name, broker_error *err)
 			return fail(err, BB_ERR_INVALID,
 				    "name contains a control character at byte %zu", i);
 	}
+	size_t bad = bb_utf8_invalid_at(name, n);
+	if (bad < n)
+		return fail(err, BB_ERR_INVALID, "name is not valid UTF-8 at byte %zu", bad);
 	return 0;
 }
 

@@ -1,14 +1,21 @@
 /*
  * The wire codec: flatwire for Retain, Release and RefsReply, protobuf-c
- * (unpacking into a bump arena) for everything else.
+ * (unpacking into a bump arena) for everything else, and the check of the
+ * strings protobuf-c unpacked.
  */
 #include "codec.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "arena.h"
 #include "flatwire.h"
+#include "utf8.h"
+
+/* Messages nest no deeper than this in a Request (Request > op): deeper
+ * ones are not walked for strings. */
+#define CODEC_NEST_MAX 4
 
 /* Unpacked requests live here (more spills to malloc): a few hundred bytes
  * each but for a long List cursor or a long name. */
@@ -74,11 +81,91 @@ static bool decode_flat(const unsigned char *data, size_t len, codec_request *ou
 	return true;
 }
 
+/* The varint at *p (before end), moving *p past it; false when it runs
+ * past end or over ten bytes. */
+static bool read_varint(const unsigned char **p, const unsigned char *end, uint64_t *out)
+{
+	uint64_t v = 0;
+	for (unsigned shift = 0; shift < 70 && *p < end; shift += 7) {
+		unsigned char b = *(*p)++;
+		v |= (uint64_t)(b & 0x7f) << shift;
+		if (!(b & 0x80)) {
+			*out = v;
+			return true;
+		}
+	}
+	return false;
+}
+
+/* Check every string field in the n bytes at p, a message of type desc,
+ * and in the messages nested in it: UTF-8 with no NUL byte (protobuf-c
+ * checks neither, and unpacks "a\0b" as "a"). It walks the encoding, not
+ * the unpacked message, to see each value whole. 0, or -1 with the first
+ * bad field named in err. */
+static int check_strings(const ProtobufCMessageDescriptor *desc, const unsigned char *p, size_t n,
+			 int depth, char *err, size_t errlen)
+{
+	const unsigned char *end = p + n;
+	while (p < end) {
+		uint64_t key, len;
+		if (!read_varint(&p, end, &key))
+			goto malformed;
+		switch (key & 7) {
+		case 0: /* varint */
+			if (!read_varint(&p, end, &len))
+				goto malformed;
+			continue;
+		case 1: /* 64-bit */
+			if ((size_t)(end - p) < 8)
+				goto malformed;
+			p += 8;
+			continue;
+		case 5: /* 32-bit */
+			if ((size_t)(end - p) < 4)
+				goto malformed;
+			p += 4;
+			continue;
+		case 2: /* length-delimited: strings, bytes, messages, packed */
+			if (!read_varint(&p, end, &len) || len > (uint64_t)(end - p))
+				goto malformed;
+			break;
+		default: goto malformed; /* groups: protobuf-c refuses them */
+		}
+		const unsigned char *v = p;
+		p += len;
+		const ProtobufCFieldDescriptor *f = NULL;
+		if (key >> 3 <= UINT32_MAX)
+			f = protobuf_c_message_descriptor_get_field(desc, (unsigned)(key >> 3));
+		if (!f) /* an unknown field: not ours to read */
+			continue;
+		if (f->type == PROTOBUF_C_TYPE_STRING) {
+			const char *s = (const char *)v;
+			const char *nul = memchr(s, '\0', len);
+			size_t bad = bb_utf8_invalid_at(s, len);
+			if (nul || bad < len) {
+				snprintf(err, errlen, "%s.%s %s at byte %zu of %zu",
+					 desc->short_name, f->name,
+					 nul ? "holds a NUL byte" : "is not valid UTF-8",
+					 nul ? (size_t)(nul - s) : bad, (size_t)len);
+				return -1;
+			}
+		} else if (f->type == PROTOBUF_C_TYPE_MESSAGE && depth < CODEC_NEST_MAX) {
+			if (check_strings(f->descriptor, v, len, depth + 1, err, errlen))
+				return -1;
+		}
+	}
+	return 0;
+malformed:
+	/* protobuf-c unpacked it, so this cannot happen; refuse, to be safe. */
+	snprintf(err, errlen, "%s could not be read for its strings", desc->short_name);
+	return -1;
+}
+
 int codec_decode(codec *cd, const unsigned char *data, size_t len, codec_request *out, char *err,
 		 size_t errlen)
 {
 	if (decode_flat(data, len, out))
-		return 0;
+		return 0; /* Retain and Release: no strings */
 	out->unpacked = bufbroker__request__unpack(&cd->arena.pc, len, data);
 	if (!out->unpacked) {
 		/* Whatever it had allocated, protobuf-c freed. */
@@ -87,6 +174,8 @@ int codec_decode(codec *cd, const unsigned char *data, size_t len, codec_request
 		return -1;
 	}
 	out->req = out->unpacked;
+	if (check_strings(&bufbroker__request__descriptor, data, len, 0, err, errlen))
+		return CODEC_INVALID;
 	return 0;
 }
 

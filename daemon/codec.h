@@ -38,10 +38,16 @@ typedef struct codec_request {
 codec *codec_new(uint32_t max_datagram);
 void codec_free(codec *cd);
 
-/* Decode the len bytes at data (len > 0) into *out. 0, or -1 when they are
- * no Request (err, errlen bytes, says so; nothing to release). At most one
- * request is outstanding: release it with codec_request_done before the
- * next decode. */
+/* What codec_decode returns for a Request with a bad string. Positive. */
+#define CODEC_INVALID 1
+
+/* Decode the len bytes at data (len > 0) into *out. 0; or -1 when they are
+ * no Request (err, errlen bytes, says so; nothing to release); or
+ * CODEC_INVALID when they are one, but a string in it is not UTF-8 or
+ * holds a NUL byte (err names the field): *out is the request all the
+ * same, to be refused with BB_ERR_INVALID and its id. At most one request
+ * is outstanding: release it with codec_request_done before the next
+ * decode. */
 int codec_decode(codec *cd, const unsigned char *data, size_t len, codec_request *out, char *err,
 		 size_t errlen);
 /* Release what decoding *r allocated. */

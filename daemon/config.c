@@ -82,6 +82,8 @@ static const key keys[] = {
 	 UINT32_MAX, false, true},
 	{"limits", "max_datagram", "max-datagram", KEY_U32, OFF(server.max_datagram), 1024,
 	 16u << 20, false, false},
+	{"limits", "host_pool_memfds", "host-pool-memfds", KEY_U32, OFF(server.host_pool), 0,
+	 BACKEND_HOST_POOL_MAX, false, true},
 	{"tokens", "ttl_ms", "token-ttl", KEY_U64, LIM(token_ttl_ms), 1, UINT64_MAX, false, true},
 	{"cuda", "enabled", "no-cuda", KEY_BOOL, OFF(server.no_cuda), 0, 0, true, false},
 	{"cuda", "slab_bytes", "cuda-slab-bytes", KEY_U64, OFF(server.cuda.slab_bytes),
@@ -513,6 +515,7 @@ void config_init(config *c)
 	c->server.queue_bytes = 4u << 20;
 	c->server.send_timeout_ms = 30000;
 	c->server.conn_inflight = 2048;
+	c->server.host_pool = BACKEND_HOST_POOL_DEFAULT;
 	broker_limits_default(&c->server.limits);
 	backend_cuda_config_default(&c->server.cuda);
 	c->log_level = LOG_INFO;

@@ -394,15 +394,16 @@ static void handle_datagram(conn *c, unsigned char *data, ssize_t n, int fd, int
 	 * costs the daemon. */
 	uint64_t t0 = uv_hrtime();
 	codec_request cr;
-	char msg[96];
-	if (codec_decode(env->codec, data, (size_t)n, &cr, msg, sizeof(msg)) < 0) {
+	char msg[128];
+	int rc = codec_decode(env->codec, data, (size_t)n, &cr, msg, sizeof(msg));
+	if (rc < 0) {
 		if (fd >= 0)
 			close(fd);
 		protocol_error(c, 0, msg, true);
 		return;
 	}
 	int op = (int)cr.req->op_case;
-	handler_request(c->session, cr.req, fd);
+	handler_request(c->session, cr.req, fd, rc == CODEC_INVALID ? msg : NULL);
 	codec_request_done(env->codec, &cr);
 	metrics_handled(env->counters, op, uv_hrtime() - t0);
 }

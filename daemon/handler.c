@@ -17,6 +17,7 @@
 #include "log.h"
 #include "ops.h"
 #include "status.h"
+#include "utf8.h"
 #include "wire.h"
 
 /* Connections of peers that no allow-list admits, waiting for the Hello
@@ -208,7 +209,11 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 		return;
 	}
 	c->hello = true;
-	snprintf(c->name, sizeof(c->name), "%s", h->client_name ? h->client_name : "");
+	/* Kept whole characters only: Clients answers carry it (UTF-8). */
+	const char *name = h->client_name ? h->client_name : "";
+	size_t n = bb_utf8_prefix(name, sizeof(c->name) - 1);
+	memcpy(c->name, name, n);
+	c->name[n] = '\0';
 	/* Keep log lines parseable: no quotes or control characters. */
 	for (char *p = c->name; *p; p++)
 		if ((unsigned char)*p < 0x20 || *p == '"' || *p == '\\')
@@ -238,12 +243,19 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 {
 	broker_error err;
 	broker_buf *buf;
+	if (share > BB_SHARE_ANY) {
+		/* The broker's int cannot hold every uint32 the wire can. */
+		char msg[64];
+		snprintf(msg, sizeof(msg), "unknown share policy %" PRIu32, share);
+		reply_error(r, BB_ERR_INVALID, msg);
+		return BB_ERR_INVALID;
+	}
 	broker_alloc_req req = {
 		.size = size,
 		.kind = (bb_kind)kind,
 		.device = device,
 		.name = name,
-		.share = share > BB_SHARE_ANY ? -1 : (int)share,
+		.share = (int)share,
 		.import_fd = fd,
 	};
 	int rc = broker_alloc(r->c->h->b, r->c->bc, &req, &buf, &err);
@@ -641,7 +653,9 @@ static void do_server_status(req_ctx *r)
 
 /* The name of process pid as /proc/PID/comm gives it, or "-" when it cannot
  * be read (the process is gone, or lives in a PID namespace we cannot see).
- * Control characters become '?', as in log lines. */
+ * Control characters become '?', as in log lines, and so do bytes that are
+ * not UTF-8 (a process may name itself anything, and the kernel cuts the
+ * name at 15 bytes, inside a character if need be). */
 static void proc_comm(uint32_t pid, char *out, size_t cap)
 {
 	char path[48];
@@ -655,6 +669,7 @@ static void proc_comm(uint32_t pid, char *out, size_t cap)
 	for (char *p = out; *p; p++)
 		if ((unsigned char)*p < 0x20 || *p == 0x7f)
 			*p = '?';
+	bb_utf8_scrub(out);
 }
 
 /* One Clients row and the text it points to. */
@@ -870,7 +885,7 @@ static void denied_message(const session *c, char *buf, size_t len)
 		 c->uid, c->gid);
 }
 
-void handler_request(session *c, const Bufbroker__Request *req, int fd)
+void handler_request(session *c, const Bufbroker__Request *req, int fd, const char *invalid)
 {
 	req_ctx r = {.c = c,
 		     .id = req->id,
@@ -903,6 +918,24 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd)
 		r.quiet = false;
 		reply_error(&r, BB_ERR_PROTOCOL, "the first request must be Hello");
 		close_after(c, "request before Hello");
+		return;
+	}
+	if (req->id == 0) {
+		/* Its answer could not be told from one to no request. */
+		if (fd >= 0)
+			close(fd);
+		r.quiet = false;
+		reply_error(&r, BB_ERR_PROTOCOL,
+			    "request id 0 is reserved for answers to no particular request; "
+			    "number requests from 1");
+		return;
+	}
+	if (invalid) {
+		char msg[160];
+		if (fd >= 0)
+			close(fd);
+		snprintf(msg, sizeof(msg), "%s: strings must be UTF-8 without NUL bytes", invalid);
+		reply_error(&r, BB_ERR_INVALID, msg);
 		return;
 	}
 

@@ -62,8 +62,12 @@ void handler_stop(handler *h);
 session *handler_session_open(handler *h, uint64_t serial, uint32_t uid, uint32_t gid, uint32_t pid,
 			      bool denied, const handler_reply *reply);
 /* Act on one decoded request; fd came with it (-1: none) and is closed
- * here, or kept by the backend as a duplicate. */
-void handler_request(session *s, const Bufbroker__Request *req, int fd);
+ * here, or kept by the backend as a duplicate. invalid: NULL, or why the
+ * request is refused with BB_ERR_INVALID (a string in it is not UTF-8),
+ * once the session's rules (Hello first, ...) let it be answered. A request
+ * with id 0 is refused with BB_ERR_PROTOCOL: that id answers no
+ * particular request. */
+void handler_request(session *s, const Bufbroker__Request *req, int fd, const char *invalid);
 /* Drop s's parked waits and allocs unanswered (the daemon is stopping;
  * handler_session_close does it too). */
 void handler_session_drop_parked(session *s);

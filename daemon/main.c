@@ -57,6 +57,9 @@ static void usage(FILE *out)
 		"  --send-timeout MS      a connection whose queued output cannot be sent for\n"
 		"                         this long is dropped (default 30000)\n"
 		"  --max-datagram BYTES   largest request accepted (default %d)\n"
+		"  --host-pool-memfds N   memfds of freed host buffers kept for reuse by\n"
+		"                         the same uid (default 64, at most 1024); 0: none,\n"
+		"                         each is closed when its buffer is freed\n"
 		"  --cuda-slab-bytes BYTES\n"
 		"                         CUDA buffers are carved out of allocations (slabs)\n"
 		"                         of this size, rounded up to 2 MiB (default 64M, at\n"
@@ -101,6 +104,7 @@ static const struct option options[] = {
 	{"allow-gids", required_argument, NULL, OPT_KEY},
 	{"queue-bytes", required_argument, NULL, OPT_KEY},
 	{"max-datagram", required_argument, NULL, OPT_KEY},
+	{"host-pool-memfds", required_argument, NULL, OPT_KEY},
 	{"log-level", required_argument, NULL, OPT_KEY},
 	{"cuda-slab-bytes", required_argument, NULL, OPT_KEY},
 	{"cuda-cache-bytes", required_argument, NULL, OPT_KEY},

@@ -484,7 +484,7 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 	broker_set_backend(s->b, BB_HOST, s->host, NULL);
 	/* Safe because the broker's grant reports cross-uid sends to the
 	 * backend (its expose); on failure pooling stays off. */
-	backend_host_pool(s->host, BACKEND_HOST_POOL_DEFAULT, BACKEND_HOST_POOL_PER_CLASS_DEFAULT);
+	backend_host_pool(s->host, cfg->host_pool, BACKEND_HOST_POOL_PER_CLASS_DEFAULT);
 	start_cuda(s);
 
 	s->park = park_new(loop, s->b);
@@ -572,6 +572,10 @@ void server_reload(server *s, const server_config *cfg)
 	s->cfg.conn_inflight = cfg->conn_inflight;
 	s->cfg.allow_uids = cfg->allow_uids;
 	s->cfg.allow_gids = cfg->allow_gids;
+	if (cfg->host_pool != s->cfg.host_pool) {
+		s->cfg.host_pool = cfg->host_pool;
+		backend_host_pool(s->host, cfg->host_pool, BACKEND_HOST_POOL_PER_CLASS_DEFAULT);
+	}
 	broker_set_limits(s->b, &cfg->limits);
 	conn_limits lim = limits_of(&s->cfg);
 	lim.max_datagram = s->conns.limits.max_datagram;

@@ -39,6 +39,7 @@ typedef struct server_config {
 	uint64_t
 		send_timeout_ms; /* queued output that cannot move this long drops the connection */
 	uint32_t conn_inflight;  /* parked requests per connection before reading it pauses */
+	uint32_t host_pool;      /* freed host memfds kept for reuse; 0: none */
 	broker_limits limits;    /* handed to the broker */
 	bool no_cuda;            /* --no-cuda: serve host buffers only */
 	backend_cuda_config cuda; /* slab, cache and device limits */
@@ -67,8 +68,9 @@ int server_add_conn(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
 void server_shutdown(server *s);
 /* Apply the settings of cfg that can change while running (SIGHUP): the
  * broker limits (they apply to later requests; a lower limit takes nothing
- * back), queue_bytes, send_timeout_ms, conn_inflight and the allow-lists
- * (checked when a connection is accepted: open connections stay). Every
+ * back), queue_bytes, send_timeout_ms, conn_inflight, the allow-lists
+ * (checked when a connection is accepted: open connections stay) and
+ * host_pool (a change closes what the pool holds). Every
  * other field of cfg is ignored: the socket, max_datagram and CUDA
  * settings take effect only at the next start. */
 void server_reload(server *s, const server_config *cfg);

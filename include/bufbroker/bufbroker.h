@@ -32,9 +32,11 @@
  * each hold a buffer see refs == 2. When the last holder lets go
  * (bb_unref, bb_release, bb_disconnect, a process that dies, a token that
  * expires), the buffer is freed at once: bb_stat on its id answers
- * BB_ERR_NOT_FOUND, the memory is returned (host: the memfd closed; CUDA:
+ * BB_ERR_NOT_FOUND, the memory is returned (host: the memfd's pages; CUDA:
  * the space free again) and its name may be given to a new buffer. Ids are
- * never reused.
+ * never reused. The daemon then closes a host buffer's memfd, or keeps it,
+ * emptied, for a later buffer of the same owner uid and page-rounded size
+ * (bufbrokerd --host-pool-memfds; 0 turns that off): see bb_map.
  *
  * Sharing: bytes written through one process's bb_map pointer are read
  * back through another's (host: at once; CUDA: after the writer's stream
@@ -141,7 +143,8 @@ int bb_connect(const char *path, bb_client **out);
 void bb_disconnect(bb_client *c);
 
 /* A new buffer, PENDING, one local count held by the caller. Options out of
- * range (a name longer than BB_NAME_MAX bytes included): BB_ERR_INVALID; a
+ * range (a name longer than BB_NAME_MAX bytes, or not UTF-8, or with
+ * control characters, included): BB_ERR_INVALID; a
  * name that is taken: BB_ERR_EXISTS; a quota, a limit or a full device:
  * BB_ERR_NO_MEMORY; BB_CUDA where the daemon has no GPU:
  * BB_ERR_UNSUPPORTED. A CUDA buffer may share its allocation (a slab) with
@@ -154,7 +157,7 @@ int bb_alloc(bb_client *c, const bb_alloc_opts *opts, bb_buf **out);
 /* One more reference to an existing buffer (coalesced per connection: an id
  * this connection already holds returns the same handle, one more count).
  * No such buffer (or name): BB_ERR_NOT_FOUND; its share policy does not
- * admit the caller: BB_ERR_DENIED. A name is non-empty and at most
+ * admit the caller: BB_ERR_DENIED. A name is non-empty, UTF-8 and at most
  * BB_NAME_MAX bytes. */
 int bb_open(bb_client *c, uint64_t id, bb_buf **out);
 int bb_open_name(bb_client *c, const char *name, bb_buf **out);
@@ -164,7 +167,11 @@ int bb_open_name(bb_client *c, const char *name, bb_buf **out);
  * read-write, with no write seal. The daemon keeps its own duplicate and
  * seals the file with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL (an fd it
  * cannot seal is refused with BB_ERR_INVALID); you may close yours. The new
- * buffer is PENDING with one local count. */
+ * buffer is PENDING with one local count. The owner's uid is charged
+ * opts->size bytes, so a file more than one page larger than that is
+ * refused (BB_ERR_INVALID): make the memfd the buffer's size. The seals
+ * and the size are checked again once the daemon's seals are on: do not
+ * resize or seal the file while the call runs. */
 int bb_import_fd(bb_client *c, int fd, const bb_alloc_opts *opts, bb_buf **out);
 
 /* Local copies: no round trip except the last unref. NULL is allowed.
@@ -214,7 +221,13 @@ int bb_wait(bb_buf *b, int timeout_ms, bb_state *state_out);
 
 /* Host: a pointer into the shared mapping, readable and writable (from
  * 2 MiB, advised MADV_HUGEPAGE over its whole 2 MiB extents: huge pages
- * where the kernel's shmem THP mode allows them). CUDA: a device pointer
+ * where the kernel's shmem THP mode allows them). A host buffer from
+ * bb_alloc starts as zeros. A mapping (or fd) that outlives the buffer's
+ * last count, kept by other means than this library, stays on the memfd,
+ * and the daemon may make the next buffer of the same uid and size from it
+ * (unless run with --host-pool-memfds 0): it would then read and write
+ * that buffer. CUDA buffers start with whatever the memory held (an
+ * earlier buffer's bytes of the same uid and policy). CUDA: a device pointer
  * valid in this process's primary context of the matching device. Valid
  * until the handle's last local count goes. The device is matched by UUID,
  * not ordinal, so CUDA_VISIBLE_DEVICES may differ between the daemon and

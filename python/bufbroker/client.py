@@ -334,11 +334,12 @@ class Client:
         """Hand memory you own to the broker (``bb_import_fd``).
 
         ``fd`` (an int, or an object with ``fileno()``) is a memfd made with
-        ``MFD_ALLOW_SEALING``, opened read-write, at least ``size`` bytes,
+        ``MFD_ALLOW_SEALING``, opened read-write, at least ``size`` bytes
+        and at most one page more (the buffer charges its owner ``size``),
         with no write seal. The daemon keeps its own duplicate and seals the
         file against growing and shrinking; you may close yours. Returns the
-        new PENDING host :class:`Buffer`. An fd the daemon cannot seal is
-        refused with :class:`InvalidArgument`."""
+        new PENDING host :class:`Buffer`. An fd the daemon cannot seal, or a
+        file of another size, is refused with :class:`InvalidArgument`."""
         if hasattr(fd, "fileno"):
             fd = fd.fileno()
         fd = _uint("fd", fd, _INT_MAX)

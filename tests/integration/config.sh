@@ -157,6 +157,7 @@ conn_tokens = 16
 conn_waits = 16
 queue_bytes = 64K
 max_datagram = 32K
+host_pool_memfds = 0
 
 [tokens]
 ttl_ms = 1500
@@ -221,6 +222,11 @@ for _ in $(seq 40); do
 done
 [[ $(cli --json status | json "d['kinds']['host']['buffers']") == 0 ]] ||
 	fail "tokens outlived ttl_ms = 1500 by seconds"
+
+STEP="[limits] host_pool_memfds = 0"
+# The freed buffers' memfds were closed, not kept for reuse.
+memfds=$(find "/proc/$DPID/fd" -lname '/memfd:*' | wc -l)
+[[ $memfds == 0 ]] || fail "the daemon kept $memfds memfds of freed buffers"
 stop
 
 # ---- flags override the file -----------------------------------------------------
@@ -261,6 +267,7 @@ cat >"$HUP" <<EOF
 path = $DIR/elsewhere.sock
 [limits]
 conn_tokens = 4
+host_pool_memfds = 0
 [log]
 level = debug
 EOF
@@ -270,9 +277,11 @@ grep -q "event=config_changed key=limits.conn_tokens old=0 new=4" "$LOG" ||
 	fail "no config_changed line for limits.conn_tokens"
 grep -q "event=config_changed key=log.level old=info new=debug" "$LOG" ||
 	fail "no config_changed line for log.level"
+grep -q "event=config_changed key=limits.host_pool_memfds old=64 new=0" "$LOG" ||
+	fail "no config_changed line for limits.host_pool_memfds"
 grep -q "event=config_restart_needed keys=socket.path" "$LOG" ||
 	fail "no config_restart_needed line naming socket.path"
-[[ $(grep -c "event=config_changed" "$LOG") -eq 2 ]] || fail "want exactly 2 config_changed lines"
+[[ $(grep -c "event=config_changed" "$LOG") -eq 3 ]] || fail "want exactly 3 config_changed lines"
 [[ -S $SOCK && ! -e $DIR/elsewhere.sock ]] || fail "the socket moved without a restart"
 produce t2 4096 || fail "conn_tokens = 4 did not apply live: $(cat "$DIR/out")"
 grep -q "level=debug event=hello" "$LOG" || fail "level = debug did not apply live"

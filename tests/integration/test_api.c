@@ -257,6 +257,65 @@ Test(api, freed_host_memfd_is_reused_empty_for_the_same_uid)
 	bbt_stop_clean(d);
 }
 
+/* A mapping of buffer id made from the memfd of an Open on the wire, the
+ * Open's count given back: it outlives the buffer, as a process's stale
+ * mapping does. */
+static unsigned char *stale_mapping_of(bb_client *c, uint64_t id, size_t size)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Open o = BUFBROKER__OPEN__INIT;
+	Bufbroker__Response *resp = NULL;
+	int fd = -1;
+	o.target_case = BUFBROKER__OPEN__TARGET_ID;
+	o.id = id;
+	req.op_case = BUFBROKER__REQUEST__OP_OPEN;
+	req.open = &o;
+	cr_assert_eq(bbc_call(c, &req, -1, &resp, &fd), 0, "Open: %s", bb_last_error());
+	cr_assert(resp->status && resp->status->code == 0 && fd >= 0, "Open failed");
+	bbc_response_free(resp);
+	cr_assert_eq(bb_release(c, id, 1), 0);
+	unsigned char *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	cr_assert(p != MAP_FAILED, "mmap: %s", strerror(errno));
+	close(fd);
+	return p;
+}
+
+/* What PROTOCOL.md says of the reuse pool: a same-uid process that kept a
+ * mapping of a freed buffer sees the next buffer of that size made from
+ * the same memfd; --host-pool-memfds 0 closes every memfd at the free, and
+ * a stale mapping then sees nothing new. */
+Test(api, a_stale_mapping_sees_the_next_buffer_of_its_size_unless_pooling_is_off)
+{
+	const char *const off[] = {"--host-pool-memfds", "0", NULL};
+	const char *const *args[] = {NULL, off};
+	enum { SIZE = 64 * 1024 };
+
+	for (int pooled = 1; pooled >= 0; pooled--) {
+		bbt_daemon *d = bbt_start(args[!pooled]);
+		bb_client *c = bbt_connect(d);
+		int memfds0 = bbt_daemon_memfds(d);
+		bb_buf *a = alloc_host(c, SIZE, NULL, BB_SHARE_UID);
+		uint64_t id = bb_id(a);
+		unsigned char *stale = stale_mapping_of(c, id, SIZE);
+		bb_unref(a);
+		cr_assert_eq(bbt_stat_until_gone(c, id, 2000), BB_ERR_NOT_FOUND);
+		cr_assert_eq(bbt_daemon_memfds(d), memfds0 + pooled,
+			     "pooling %s: the daemon holds %d memfds after the free, want %d",
+			     pooled ? "on" : "off", bbt_daemon_memfds(d), memfds0 + pooled);
+
+		bb_buf *b = alloc_host(c, SIZE, NULL, BB_SHARE_UID);
+		bbt_fill(map_of(b), SIZE, 0x5eed);
+		bool sees = bbt_check(stale, SIZE, 0x5eed);
+		cr_assert_eq(sees, pooled,
+			     "pooling %s: a stale mapping of a freed buffer %s the next one",
+			     pooled ? "on" : "off", sees ? "sees" : "does not see");
+		munmap(stale, SIZE);
+		bb_unref(b);
+		bb_disconnect(c);
+		bbt_stop_clean(d);
+	}
+}
+
 /* The VMA of this process that holds addr, from /proc/self/smaps: its end
  * and whether its VmFlags carry "hg" (MADV_HUGEPAGE). */
 static void vma_of(const void *addr, uintptr_t *end, int *hugepage)

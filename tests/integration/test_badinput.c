@@ -15,10 +15,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "client_internal.h"
 #include "harness.h"
+#include "utf8.h"
 #include "wire.h"
 
 TestSuite(badinput, .fini = bbt_cleanup, .timeout = 30);
@@ -79,9 +83,9 @@ static void rig_down(struct rig *r)
 	bbt_stop_clean(r->d);
 }
 
-/* Receive the answer to a bad datagram: BB_ERR_PROTOCOL with a message that
- * contains needle, for request id want_id. */
-static void expect_protocol_error(int raw, uint64_t want_id, const char *needle, const char *what)
+/* Receive the answer to a bad datagram or request: the code want with a
+ * message that contains needle, for request id want_id. */
+static void expect_status(int raw, uint64_t want_id, int want, const char *needle, const char *what)
 {
 	Bufbroker__Response *resp = NULL;
 	int rc = bbt_raw_recv(raw, 3000, &resp, NULL);
@@ -95,8 +99,8 @@ static void expect_protocol_error(int raw, uint64_t want_id, const char *needle,
 	uint64_t id = resp->id;
 	int result = resp->result_case;
 	bufbroker__response__free_unpacked(resp, NULL);
-	cr_assert_eq(code, BB_ERR_PROTOCOL, "%s: status %d (\"%s\"), want BB_ERR_PROTOCOL", what,
-		     code, msg);
+	cr_assert_eq(code, want, "%s: status %d (\"%s\"), want %s", what, code, msg,
+		     bb_err_name(want));
 	cr_assert_neq(msg[0], '\0', "%s: an empty error message", what);
 	cr_assert(strcasestr(msg, needle), "%s: message \"%s\" does not mention \"%s\"", what, msg,
 		  needle);
@@ -104,6 +108,11 @@ static void expect_protocol_error(int raw, uint64_t want_id, const char *needle,
 		     (unsigned long long)want_id);
 	cr_assert_eq(result, BUFBROKER__RESPONSE__RESULT__NOT_SET, "%s: an error with a result",
 		     what);
+}
+
+static void expect_protocol_error(int raw, uint64_t want_id, const char *needle, const char *what)
+{
+	expect_status(raw, want_id, BB_ERR_PROTOCOL, needle, what);
 }
 
 /* The raw connection still answers a request. */
@@ -1094,4 +1103,377 @@ Test(badinput, closing_connection_whose_peer_does_not_read_is_closed_at_the_send
 	close(raw);
 	bb_disconnect(good);
 	bbt_stop_clean(d);
+}
+
+/* ---- strings, ids and values the daemon refuses ------------------------------ */
+
+/* Pack req and send it on raw with the first '#' of its bytes turned into
+ * with: a NUL inside a string (protobuf-c packs strings up to their NUL),
+ * or a byte that is not UTF-8. */
+static void send_patched(int raw, const Bufbroker__Request *req, char with, int attach_fd)
+{
+	size_t len;
+	uint8_t *buf = bbt_pack_request(req, &len);
+	cr_assert_not_null(buf);
+	uint8_t *hash = memchr(buf, '#', len);
+	cr_assert_not_null(hash, "no '#' in the request to patch");
+	*hash = (uint8_t)with;
+	cr_assert_eq(bbt_raw_send_bytes(raw, buf, len, attach_fd), 0);
+	free(buf);
+}
+
+static void alloc_request(Bufbroker__Request *req, Bufbroker__Alloc *a, uint64_t req_id,
+			  const char *name, uint32_t share)
+{
+	bufbroker__request__init(req);
+	bufbroker__alloc__init(a);
+	a->size = 4096;
+	a->kind = BUFBROKER__KIND__KIND_HOST;
+	a->name = (char *)name;
+	a->share = share;
+	req->id = req_id;
+	req->op_case = BUFBROKER__REQUEST__OP_ALLOC;
+	req->alloc = a;
+}
+
+static void import_request(Bufbroker__Request *req, Bufbroker__ImportFd *im, uint64_t req_id,
+			   const char *name, uint32_t share)
+{
+	bufbroker__request__init(req);
+	bufbroker__import_fd__init(im);
+	im->size = 4096;
+	im->kind = BUFBROKER__KIND__KIND_HOST;
+	im->name = (char *)name;
+	im->share = share;
+	req->id = req_id;
+	req->op_case = BUFBROKER__REQUEST__OP_IMPORT_FD;
+	req->import_fd = im;
+}
+
+/* The answer to request want_id is a success (an fd it carries is closed). */
+static void expect_ok(int raw, uint64_t want_id, const char *what)
+{
+	Bufbroker__Response *resp = NULL;
+	cr_assert_eq(bbt_raw_recv(raw, 3000, &resp, NULL), 1, "%s: no answer", what);
+	bool ok = resp->id == want_id && resp->status && resp->status->code == 0;
+	bufbroker__response__free_unpacked(resp, NULL);
+	cr_assert(ok, "%s failed", what);
+}
+
+static bool is_utf8(const char *s)
+{
+	return bb_utf8_invalid_at(s, strlen(s)) == strlen(s);
+}
+
+/* Every name and error in the List c gets is UTF-8: what a parser that
+ * checks (Python's protobuf, for one) needs to decode the answer at all. */
+static void list_is_utf8(bb_client *c)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__List l = BUFBROKER__LIST__INIT;
+	Bufbroker__Response *r = NULL;
+	req.op_case = BUFBROKER__REQUEST__OP_LIST;
+	req.list = &l;
+	cr_assert_eq(bbc_call(c, &req, -1, &r, NULL), 0, "List: %s", bb_last_error());
+	cr_assert(r->status && r->status->code == 0 && r->list, "List failed");
+	for (size_t i = 0; i < r->list->n_buffers; i++) {
+		const Bufbroker__BufferInfo *bi = r->list->buffers[i];
+		cr_assert(is_utf8(bi->name), "List shows buffer %llu with a name that is not UTF-8",
+			  (unsigned long long)bi->id);
+		cr_assert(is_utf8(bi->error),
+			  "List shows buffer %llu with an error that is not UTF-8",
+			  (unsigned long long)bi->id);
+	}
+	bbc_response_free(r);
+}
+
+/* A memfd that allows sealing, 4096 bytes. */
+static int import_memfd(void)
+{
+	int fd = memfd_create("bbt-badinput", MFD_ALLOW_SEALING | MFD_CLOEXEC);
+	cr_assert_geq(fd, 0, "memfd_create: %s", strerror(errno));
+	cr_assert_eq(ftruncate(fd, 4096), 0);
+	return fd;
+}
+
+static uint64_t buffers_live(bb_client *c)
+{
+	bbt_totals t;
+	cr_assert_eq(bbt_server_totals(c, &t), 0);
+	return t.buffers;
+}
+
+/* protobuf-c checks no UTF-8 and cuts a string at a NUL: the daemon
+ * refuses such a request itself, with its id, and keeps the connection. */
+Test(badinput, strings_that_are_not_utf8_or_hold_a_nul_are_invalid_and_the_connection_stays)
+{
+	struct rig r;
+	rig_up(&r, true);
+	Bufbroker__Request req;
+	Bufbroker__Alloc a;
+	Bufbroker__ImportFd im;
+	Bufbroker__SetError se = BUFBROKER__SET_ERROR__INIT;
+	bb_buf *b = NULL;
+	bb_info info;
+
+	size_t from = bbt_log_size(r.d);
+	alloc_request(&req, &a, 30, "bbt-#bad", BB_SHARE_ANY);
+	send_patched(r.raw, &req, (char)0xff, -1);
+	expect_status(r.raw, 30, BB_ERR_INVALID, "Alloc.name is not valid UTF-8",
+		      "a name that is not UTF-8");
+	expect_open(r.raw, "a name that is not UTF-8");
+	expect_logged(&r, from, "UTF-8", "a name that is not UTF-8");
+
+	alloc_request(&req, &a, 31, "bbt-#nul", BB_SHARE_ANY);
+	send_patched(r.raw, &req, '\0', -1);
+	expect_status(r.raw, 31, BB_ERR_INVALID, "Alloc.name holds a NUL byte", "a NUL in a name");
+	cr_assert_eq(bb_open_name(r.good, "bbt-", &b), BB_ERR_NOT_FOUND,
+		     "the name was cut at its NUL and used");
+
+	/* An fd attached to a refused ImportFd is closed, not kept. */
+	int fd = import_memfd();
+	import_request(&req, &im, 32, "bbt-#imp", BB_SHARE_UID);
+	send_patched(r.raw, &req, (char)0xfe, fd);
+	expect_status(r.raw, 32, BB_ERR_INVALID, "ImportFd.name", "an ImportFd name, not UTF-8");
+	cr_assert_eq(fcntl(fd, F_GET_SEALS), 0, "the refused memfd was sealed");
+	close(fd);
+
+	bufbroker__request__init(&req);
+	se.id = bb_id(r.held);
+	se.message = "gave up #";
+	req.id = 33;
+	req.op_case = BUFBROKER__REQUEST__OP_SET_ERROR;
+	req.set_error = &se;
+	send_patched(r.raw, &req, (char)0xc3, -1);
+	expect_status(r.raw, 33, BB_ERR_INVALID, "SetError.message", "a message, not UTF-8");
+	cr_assert_eq(bb_stat(r.good, bb_id(r.held), &info), 0);
+	cr_assert_eq(info.state, BB_PENDING, "a refused SetError settled the buffer");
+
+	cr_assert_eq(buffers_live(r.good), 1, "a refused request made a buffer");
+	list_is_utf8(r.good);
+	good_client_works(&r, "strings that are not UTF-8");
+	rig_down(&r);
+}
+
+Test(badinput, hello_with_a_client_name_that_is_not_utf8_is_invalid_and_hello_may_follow)
+{
+	struct rig r;
+	rig_up(&r, false);
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Hello hello = BUFBROKER__HELLO__INIT;
+	hello.version_major = BB_PROTO_MAJOR;
+	hello.client_name = "w#rker";
+	req.id = 40;
+	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
+	req.hello = &hello;
+	send_patched(r.raw, &req, (char)0xc0, -1);
+	expect_status(r.raw, 40, BB_ERR_INVALID, "Hello.client_name", "a client name, not UTF-8");
+	cr_assert_eq(bbt_raw_hello(r.raw, 41, BB_PROTO_MAJOR), 0,
+		     "a good Hello after the refused one");
+	expect_open(r.raw, "a client name, not UTF-8");
+	good_client_works(&r, "a client name, not UTF-8");
+	rig_down(&r);
+}
+
+/* The row of the connection that asks Clients, from a raw connection that
+ * said Hello: 0 with its client_name and process copied out, or the step
+ * that failed. Safe in a child. */
+static int own_client_row(int raw, char *name, size_t name_len, char *process, size_t proc_len)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Clients cl = BUFBROKER__CLIENTS__INIT;
+	Bufbroker__Response *resp = NULL;
+	int rc = 1;
+	req.id = 51;
+	req.op_case = BUFBROKER__REQUEST__OP_CLIENTS;
+	req.clients = &cl;
+	if (bbt_raw_send(raw, &req, -1) != 0 || bbt_raw_recv(raw, 3000, &resp, NULL) != 1)
+		return 1;
+	if (resp->status && resp->status->code == 0 && resp->clients) {
+		for (size_t i = 0; i < resp->clients->n_clients; i++) {
+			const Bufbroker__ClientInfo *ci = resp->clients->clients[i];
+			if (!ci->self)
+				continue;
+			snprintf(name, name_len, "%s", ci->client_name);
+			snprintf(process, proc_len, "%s", ci->process);
+			rc = 0;
+		}
+	}
+	bufbroker__response__free_unpacked(resp, NULL);
+	return rc ? 2 : 0;
+}
+
+/* The daemon keeps 63 bytes of a client name: whole characters only, as
+ * Clients answers carry it to others. */
+Test(badinput, a_long_client_name_is_kept_in_whole_characters)
+{
+	struct rig r;
+	rig_up(&r, false);
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Hello hello = BUFBROKER__HELLO__INIT;
+	Bufbroker__Response *resp = NULL;
+	char sent[81], name[128], process[64];
+	for (int i = 0; i < 40; i++)
+		memcpy(sent + 2 * i, "\xc3\xa9", 2); /* U+00E9, two bytes */
+	sent[80] = '\0';
+	hello.version_major = BB_PROTO_MAJOR;
+	hello.client_name = sent;
+	req.id = 50;
+	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
+	req.hello = &hello;
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	cr_assert_eq(bbt_raw_recv(r.raw, 3000, &resp, NULL), 1);
+	cr_assert_eq(resp->status->code, 0, "Hello: %s", resp->status->message);
+	bufbroker__response__free_unpacked(resp, NULL);
+
+	cr_assert_eq(own_client_row(r.raw, name, sizeof(name), process, sizeof(process)), 0,
+		     "Clients did not show the asking connection");
+	cr_assert(is_utf8(name), "Clients shows a client name that is not UTF-8");
+	cr_assert_eq(strlen(name), 62, "the client name kept %zu bytes, want 62 (31 characters)",
+		     strlen(name));
+	cr_assert_eq(memcmp(name, sent, 62), 0);
+	rig_down(&r);
+}
+
+struct comm_ctx {
+	const char *sock;
+};
+
+/* Names itself with bytes that are not UTF-8, connects and asks Clients:
+ * its own row's process must be UTF-8, the bad bytes as '?'. */
+static int odd_comm_child(void *arg)
+{
+	const struct comm_ctx *x = arg;
+	char name[128], process[64];
+	if (prctl(PR_SET_NAME, "\xff\xfe"
+			       "bbt-comm") != 0)
+		return 10;
+	int raw = bbt_raw_connect(x->sock);
+	if (raw < 0 || bbt_raw_hello(raw, 1, BB_PROTO_MAJOR) != 0)
+		return 11;
+	int rc = own_client_row(raw, name, sizeof(name), process, sizeof(process));
+	close(raw);
+	if (rc)
+		return 12;
+	return strcmp(process, "??bbt-comm") == 0 ? 0 : 13;
+}
+
+Test(badinput, a_process_name_that_is_not_utf8_is_shown_with_question_marks)
+{
+	struct rig r;
+	rig_up(&r, false);
+	struct comm_ctx x = {.sock = r.d->sock};
+	int code = bbt_join(bbt_spawn(odd_comm_child, &x), 10000);
+	cr_assert_neq(code, 13, "Clients showed the process name's bytes that are not UTF-8");
+	cr_assert_eq(code, 0, "the child failed at step %d", code);
+	rig_down(&r);
+}
+
+/* A SetError message longer than the 255 bytes kept is cut between two
+ * characters (the C library cuts before sending; a raw client may not). */
+Test(badinput, a_long_set_error_message_is_cut_between_characters)
+{
+	struct rig r;
+	rig_up(&r, true);
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__SetError se = BUFBROKER__SET_ERROR__INIT;
+	char msg[301];
+	bb_info info;
+	for (int i = 0; i < 150; i++)
+		memcpy(msg + 2 * i, "\xc3\xa9", 2);
+	msg[300] = '\0';
+
+	/* The raw peer may settle a buffer it holds: it opens one first. */
+	bb_buf *b = NULL;
+	bb_alloc_opts o = {.size = 4096, .kind = BB_HOST};
+	cr_assert_eq(bb_alloc(r.good, &o, &b), 0, "%s", bb_last_error());
+	Bufbroker__Request open = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Open op = BUFBROKER__OPEN__INIT;
+	op.target_case = BUFBROKER__OPEN__TARGET_ID;
+	op.id = bb_id(b);
+	open.id = 59;
+	open.op_case = BUFBROKER__REQUEST__OP_OPEN;
+	open.open = &op;
+	cr_assert_eq(bbt_raw_send(r.raw, &open, -1), 0);
+	expect_ok(r.raw, 59, "Open");
+	se.id = bb_id(b);
+	se.message = msg;
+	req.id = 60;
+	req.op_case = BUFBROKER__REQUEST__OP_SET_ERROR;
+	req.set_error = &se;
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	expect_ok(r.raw, 60, "SetError");
+
+	cr_assert_eq(bb_stat(r.good, bb_id(b), &info), 0);
+	cr_assert_eq(info.state, BB_FAILED);
+	cr_assert(is_utf8(info.error), "the kept message is not UTF-8");
+	cr_assert_eq(strlen(info.error), 254, "kept %zu bytes, want 254 (127 characters)",
+		     strlen(info.error));
+	list_is_utf8(r.good);
+	bb_unref(b);
+	good_client_works(&r, "a long SetError message");
+	rig_down(&r);
+}
+
+/* The share field is a uint32 on the wire: the refusal names the value
+ * that was sent. */
+Test(badinput, alloc_with_an_unknown_share_policy_names_the_value_sent)
+{
+	struct rig r;
+	rig_up(&r, true);
+	Bufbroker__Request req;
+	Bufbroker__Alloc a;
+	Bufbroker__ImportFd im;
+
+	alloc_request(&req, &a, 70, NULL, 3);
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	expect_status(r.raw, 70, BB_ERR_INVALID, "unknown share policy 3", "share 3");
+	alloc_request(&req, &a, 71, NULL, UINT32_MAX);
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	expect_status(r.raw, 71, BB_ERR_INVALID, "unknown share policy 4294967295",
+		      "share 4294967295");
+	int fd = import_memfd();
+	import_request(&req, &im, 72, NULL, 3);
+	cr_assert_eq(bbt_raw_send(r.raw, &req, fd), 0);
+	close(fd);
+	expect_status(r.raw, 72, BB_ERR_INVALID, "unknown share policy 3", "ImportFd, share 3");
+	cr_assert_eq(buffers_live(r.good), 1, "a refused request made a buffer");
+	expect_open(r.raw, "an unknown share policy");
+	good_client_works(&r, "an unknown share policy");
+	rig_down(&r);
+}
+
+/* Id 0 marks answers to no particular request: a request with it is not
+ * served (a no_reply one neither) and gets a protocol error; the
+ * connection stays. */
+Test(badinput, request_id_0_is_refused_with_protocol_error_and_connection_stays)
+{
+	struct rig r;
+	rig_up(&r, true);
+	Bufbroker__Request req;
+	Bufbroker__Alloc a;
+	bb_buf *b = NULL;
+
+	size_t from = bbt_log_size(r.d);
+	alloc_request(&req, &a, 0, "bbt-id0", BB_SHARE_ANY);
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	expect_protocol_error(r.raw, 0, "id 0", "an Alloc with id 0");
+	expect_open(r.raw, "an Alloc with id 0");
+	expect_logged(&r, from, "id 0", "an Alloc with id 0");
+	cr_assert_eq(bb_open_name(r.good, "bbt-id0", &b), BB_ERR_NOT_FOUND,
+		     "the Alloc with id 0 was served");
+
+	/* Served, this no_reply Retain would go unanswered. */
+	Bufbroker__Retain ret = BUFBROKER__RETAIN__INIT;
+	bufbroker__request__init(&req);
+	ret.id = bb_id(r.held);
+	ret.count = 1;
+	req.no_reply = true;
+	req.op_case = BUFBROKER__REQUEST__OP_RETAIN;
+	req.retain = &ret;
+	cr_assert_eq(bbt_raw_send(r.raw, &req, -1), 0);
+	expect_protocol_error(r.raw, 0, "id 0", "a no_reply Retain with id 0");
+	cr_assert_eq(bbt_refs(r.good, bb_id(r.held)), 1, "the Retain with id 0 was served");
+	good_client_works(&r, "requests with id 0");
+	rig_down(&r);
 }

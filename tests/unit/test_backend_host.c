@@ -1,16 +1,46 @@
 /*
- * The host backend's memfd reuse pool: what it reuses, what it never
- * reuses, that reused memory reads zeros, that it stays within its bounds
- * and that destroy leaves no fd behind. Unit tests link only the broker
- * core, so this file includes the backend itself.
+ * The host backend's guards: what import_fd accepts (checked again on the
+ * daemon's own sealed duplicate, with a peer that changes the file while
+ * the backend seals it), and the memfd reuse pool: what it reuses, what it
+ * never reuses, that reused memory reads zeros, that it stays within its
+ * bounds and that destroy leaves no fd behind. Unit tests link only the
+ * broker core, so this file includes the backend itself.
  */
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 
+/* The backend's fcntl goes through raced_fcntl, which lets a test play the
+ * peer that sent the memfd and still holds it: racer runs (once) on the
+ * peer's fd just before the backend's F_ADD_SEALS lands, the moment the
+ * daemon's first checks are done and the seals not yet there. */
+static int raced_fcntl(int fd, int cmd, ...);
+#define fcntl raced_fcntl
 #include "../../daemon/backend_host.c"
+#undef fcntl
+
+static void (*racer)(int fd); /* NULL: no race */
+static int racer_fd = -1;     /* the peer's fd racer acts on */
+
+static int raced_fcntl(int fd, int cmd, ...)
+{
+	if (cmd == F_GET_SEALS || cmd == F_GETFL)
+		return fcntl(fd, cmd);
+	va_list ap;
+	va_start(ap, cmd);
+	int arg = va_arg(ap, int); /* the backend's other commands take an int */
+	va_end(ap);
+	if (cmd == F_ADD_SEALS && racer) {
+		void (*r)(int) = racer;
+		racer = NULL;
+		r(racer_fd);
+	}
+	return fcntl(fd, cmd, arg);
+}
 
 #define UID_A 1000
 #define UID_B 1001
@@ -342,5 +372,180 @@ Test(host_pool, alloc_out_of_fds_closes_the_pool_and_succeeds)
 	while (nfill > 0)
 		close(fill[--nfill]);
 	cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+	finish();
+}
+
+/* ---- import_fd: what it accepts, checked on what it hands out ------------------ */
+
+TestSuite(host_import, .init = setup, .fini = teardown);
+
+/* The peer's memfd: one that allows sealing, bytes long. */
+static int peer_memfd(uint64_t bytes)
+{
+	int fd = memfd_create("test-import", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	cr_assert_geq(fd, 0, "memfd_create: %s", strerror(errno));
+	cr_assert_eq(ftruncate(fd, (off_t)bytes), 0, "ftruncate: %s", strerror(errno));
+	return fd;
+}
+
+/* Import fd as a buffer of size bytes: the backend's code, *out on success. */
+static int import(int fd, uint64_t size, backend_mem *out)
+{
+	memset(out, 0, sizeof(*out));
+	out->fd = -1;
+	err[0] = '\0';
+	return be->import_fd(be, fd, size, out, err, sizeof(err));
+}
+
+/* rc refused an import with BB_ERR_INVALID and a sentence that says want,
+ * and the backend holds nothing for it. */
+static void assert_refused(int rc, const char *want, const char *what)
+{
+	uint64_t buffers, bytes;
+	cr_assert_eq(rc, BB_ERR_INVALID, "%s: the import answered %d (%s)", what, rc, err);
+	cr_assert(strstr(err, want), "%s: \"%s\" does not say \"%s\"", what, err, want);
+	be->usage(be, &buffers, &bytes);
+	cr_assert_eq(buffers, 0, "%s: a refused import is counted live", what);
+}
+
+static int seals_of(int fd)
+{
+	int seals = fcntl(fd, F_GET_SEALS);
+	cr_assert_geq(seals, 0, "F_GET_SEALS: %s", strerror(errno));
+	return seals;
+}
+
+/* What a racing peer does while the backend seals. */
+static void race_future_write(int fd)
+{
+	cr_assert_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0, "the racer's seal: %s",
+		     strerror(errno));
+}
+
+static void race_write(int fd)
+{
+	cr_assert_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE), 0, "the racer's seal: %s",
+		     strerror(errno));
+}
+
+static void race_shrink(int fd)
+{
+	cr_assert_eq(ftruncate(fd, (off_t)(PAGE / 2)), 0, "the racer's shrink: %s",
+		     strerror(errno));
+}
+
+static void race_grow(int fd)
+{
+	cr_assert_eq(ftruncate(fd, (off_t)(16 * PAGE)), 0, "the racer's growth: %s",
+		     strerror(errno));
+}
+
+/* Import a PAGE-byte memfd while racer changes it: the import is refused
+ * with a sentence that says want. */
+static void import_raced(void (*r)(int fd), const char *want, const char *what)
+{
+	backend_mem m;
+	int fd = peer_memfd(PAGE);
+	racer = r;
+	racer_fd = fd;
+	int rc = import(fd, PAGE, &m);
+	cr_assert_null(racer, "%s: the backend never sealed, so nothing raced", what);
+	assert_refused(rc, want, what);
+	close(fd);
+}
+
+Test(host_import, hands_out_its_own_sealed_duplicate_without_a_write_seal)
+{
+	int fd = peer_memfd(PAGE);
+	backend_mem m;
+	backend_export ex;
+	cr_assert_eq(import(fd, PAGE, &m), 0, "%s", err);
+	cr_assert_eq(m.size, PAGE);
+	cr_assert_eq(be->export_mem(be, &m, &ex, err, sizeof(err)), 0, "%s", err);
+	cr_assert_neq(ex.fd, fd, "the backend hands out the peer's own fd");
+	cr_assert_eq(inode_of(ex.fd), inode_of(fd), "the backend hands out another file");
+	cr_assert_eq(seals_of(ex.fd), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL,
+		     "seals 0x%x on what the backend hands out", seals_of(ex.fd));
+	close(fd); /* the backend keeps its own */
+	cr_assert_eq(seals_of(m.fd), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+	be->free(be, &m);
+	finish();
+}
+
+Test(host_import, refuses_a_memfd_with_a_write_seal_and_leaves_it_unsealed)
+{
+	const int write_seals[] = {F_SEAL_WRITE, F_SEAL_FUTURE_WRITE};
+	for (size_t i = 0; i < sizeof(write_seals) / sizeof(write_seals[0]); i++) {
+		int fd = peer_memfd(PAGE);
+		backend_mem m;
+		cr_assert_eq(fcntl(fd, F_ADD_SEALS, write_seals[i]), 0);
+		assert_refused(import(fd, PAGE, &m), "write seal", "a write-sealed memfd");
+		cr_assert_eq(seals_of(fd), write_seals[i],
+			     "a refused import sealed the peer's memfd (seals 0x%x)", seals_of(fd));
+		close(fd);
+	}
+	finish();
+}
+
+/* The write seal is checked on the daemon's duplicate after its own seals,
+ * not only on the peer's fd before them. */
+Test(host_import, refuses_a_write_seal_added_while_it_seals)
+{
+	import_raced(race_future_write, "write seal", "F_SEAL_FUTURE_WRITE added during the seal");
+	import_raced(race_write, "write seal", "F_SEAL_WRITE added during the seal");
+	finish();
+}
+
+/* The size is checked again after sealing: the post-seal re-check. */
+Test(host_import, refuses_a_file_shrunk_while_it_seals)
+{
+	import_raced(race_shrink, "were asked for", "a file shrunk during the seal");
+	finish();
+}
+
+Test(host_import, refuses_a_file_grown_while_it_seals)
+{
+	import_raced(race_grow, "at most one page", "a file grown during the seal");
+	finish();
+}
+
+Test(host_import, refuses_a_file_shorter_than_the_size)
+{
+	int fd = peer_memfd(PAGE);
+	backend_mem m;
+	assert_refused(import(fd, PAGE + 1, &m), "were asked for", "a short file");
+	cr_assert_eq(seals_of(fd), 0, "a refused import sealed the peer's memfd");
+	close(fd);
+	finish();
+}
+
+/* A buffer charges its owner its size: a file much larger than that would
+ * hold memory nobody is charged for (a 256 MiB file imported as 1 byte).
+ * Up to one page more is fine (a size rounded up to whole pages). */
+Test(host_import, takes_a_file_up_to_one_page_larger_than_the_size_and_no_larger)
+{
+	const struct {
+		uint64_t file, size;
+		bool ok;
+	} cases[] = {{PAGE, PAGE, true},  {2 * PAGE, PAGE, true}, {PAGE + 1, 1, true},
+		     {PAGE, 100, true},   {256u << 20, 1, false}, {2 * PAGE + 1, PAGE, false},
+		     {PAGE + 2, 1, false}};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		int fd = peer_memfd(cases[i].file);
+		backend_mem m;
+		int rc = import(fd, cases[i].size, &m);
+		if (cases[i].ok) {
+			cr_assert_eq(rc, 0, "a file of %llu bytes as %llu: %s",
+				     (unsigned long long)cases[i].file,
+				     (unsigned long long)cases[i].size, err);
+			cr_assert_eq(m.size, cases[i].size,
+				     "the buffer's size is what was asked for");
+			be->free(be, &m);
+		} else {
+			assert_refused(rc, "at most one page", "a file too large for its size");
+			cr_assert_eq(seals_of(fd), 0, "a refused import sealed the peer's memfd");
+		}
+		close(fd);
+	}
 	finish();
 }

@@ -781,6 +781,56 @@ Test(broker, set_error_happens_exactly_once_and_keeps_message)
 	cr_assert_str_eq(info.error, "decoder crashed");
 }
 
+/* A long message is cut to 255 bytes between two characters, never inside
+ * one: it travels as UTF-8 (Stat, Wait, List). */
+Test(broker, set_error_cuts_a_long_message_between_characters)
+{
+	broker_conn *a = conn(UID_A, GID_A);
+	char msg[301];
+	for (int i = 0; i < 150; i++)
+		memcpy(msg + 2 * i, "\xc3\xa9", 2); /* U+00E9, two bytes */
+	msg[300] = '\0';
+	uint64_t id = alloc_buf(a, 16);
+	cr_assert_eq(broker_set_error(b, a, id, msg, &err), 0, "%s", err.msg);
+	broker_info info = stat_of(a, id);
+	cr_assert_eq(strlen(info.error), 254,
+		     "the message kept %zu bytes, not 254 (127 whole characters)",
+		     strlen(info.error));
+	cr_assert_eq(memcmp(info.error, msg, 254), 0);
+
+	/* Three- and four-byte characters too: 85 of three bytes are 255. */
+	uint64_t id3 = alloc_buf(a, 16), id4 = alloc_buf(a, 16);
+	for (int i = 0; i < 100; i++)
+		memcpy(msg + 3 * i, "\xe2\x82\xac", 3); /* U+20AC */
+	msg[300] = '\0';
+	cr_assert_eq(broker_set_error(b, a, id3, msg, &err), 0, "%s", err.msg);
+	cr_assert_eq(strlen(stat_of(a, id3).error), 255);
+	for (int i = 0; i < 75; i++)
+		memcpy(msg + 4 * i, "\xf0\x9f\x98\x80", 4); /* U+1F600 */
+	msg[300] = '\0';
+	cr_assert_eq(broker_set_error(b, a, id4, msg, &err), 0, "%s", err.msg);
+	cr_assert_eq(strlen(stat_of(a, id4).error), 252);
+}
+
+Test(broker, name_that_is_not_utf8_is_invalid)
+{
+	broker_conn *a = conn(UID_A, GID_A);
+	const char *const bad[] = {"\xff", "caf\xc3", "\xc0\xaf", "\xed\xa0\x80",
+				   "a\x80"
+				   "b"};
+	broker_buf *buf = NULL;
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		broker_alloc_req r = req_of(16, bad[i], BB_SHARE_UID);
+		cr_assert_eq(broker_alloc(b, a, &r, &buf, &err), BB_ERR_INVALID, "name %zu", i);
+		cr_assert_not_null(strstr(err.msg, "UTF-8"), "message: %s", err.msg);
+		cr_assert_eq(broker_open_name(b, a, bad[i], &buf, &err), BB_ERR_INVALID);
+	}
+	cr_assert_eq(host.allocs, 0, "the backend was asked for an invalid name");
+	/* Characters beyond ASCII are fine. */
+	uint64_t id = alloc_named(a, 16, "caf\xc3\xa9-\xf0\x9f\x98\x80", BB_SHARE_UID);
+	cr_assert_str_eq(stat_of(a, id).name, "caf\xc3\xa9-\xf0\x9f\x98\x80");
+}
+
 Test(broker, set_state_of_unknown_id_is_not_found)
 {
 	broker_conn *a = conn(UID_A, GID_A);
