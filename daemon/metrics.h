@@ -56,6 +56,12 @@ void metrics_answered(metrics_counters *mc, int op, int status);
 /* A server limit refused something. */
 void metrics_refused(metrics_counters *mc, metrics_limit limit);
 
+/* The file descriptors this process has open (the entries of
+ * /proc/self/fd), or -1 when it cannot tell (errno says why). It reads
+ * every entry: tens of milliseconds at tens of thousands of fds, so it is
+ * not for the loop thread while it serves. */
+int metrics_open_fds(void);
+
 /* Serve GET /metrics on listen_addr: "IPV4:PORT", "[IPV6]:PORT" or
  * "localhost:PORT" (an address literal: no name lookup); port 0 takes a free
  * one. Each scrape renders a snapshot of src (status.h) on loop's thread;

@@ -13,6 +13,7 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -54,6 +55,9 @@ struct server {
 	int listen_fd;               /* listening socket */
 	bool own_socket_file;        /* we bound it (so we unlink it on exit) */
 	uv_poll_t listen_poll;       /* accept readiness */
+	uint64_t nofile;             /* the open-file limit (RLIMIT_NOFILE) */
+	uint64_t fds_own;            /* fds open once the daemon was set up */
+	uint64_t host_buffers;       /* max_host_buffers in effect (0 in cfg: what nofile leaves) */
 	uv_timer_t send_timer;       /* while output is queued: the send-timeout sweep */
 	uv_check_t reaper;           /* after each turn: close doomed conns, retry_allocs */
 	uv_idle_t reap_soon;         /* active while conns are doomed: the turn does not block */
@@ -303,6 +307,91 @@ static void on_accept(uv_poll_t *p, int status, int events)
 	}
 }
 
+/* ---- the open-file budget ------------------------------------------------------ */
+
+/* Raise the soft open-file limit to the hard one: the soft default (1024)
+ * is kept low for select(), which the daemon does not use. */
+static void raise_nofile(void)
+{
+	struct rlimit rl;
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur >= rl.rlim_max)
+		return;
+	struct rlimit up = {.rlim_cur = rl.rlim_max, .rlim_max = rl.rlim_max};
+	if (setrlimit(RLIMIT_NOFILE, &up) < 0)
+		log_warn(
+			"event=open_file_limit error=\"cannot raise the soft limit %llu to the hard "
+			"limit %llu: %s\"",
+			(unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max,
+			strerror(errno));
+}
+
+/* The file descriptors cfg's limits may make the daemon hold, against its
+ * open-file limit (docs/OPERATIONS.md, "Open files"): those it had open
+ * when it was set up, SERVER_FDS_SPARE, the memfd pool, SERVER_FDS_PER_CONN
+ * per connection and one per host buffer. 0 with *host_buffers set (a
+ * max_host_buffers of 0 is what the limit leaves), or -1 with why naming
+ * the limit to lower. */
+static int fd_budget(const server *s, const broker_limits *l, uint64_t *host_buffers, char *why,
+		     size_t len)
+{
+	uint64_t fixed = s->fds_own + SERVER_FDS_SPARE + BACKEND_HOST_POOL_DEFAULT;
+	uint64_t conns = (uint64_t)l->connections * SERVER_FDS_PER_CONN;
+	if (fixed + conns >= s->nofile) {
+		uint64_t most =
+			s->nofile > fixed + 1 ? (s->nofile - fixed - 1) / SERVER_FDS_PER_CONN : 0;
+		snprintf(why, len,
+			 "%" PRIu32 " connections need %" PRIu64
+			 " file descriptors (%d each) on top of the %" PRIu64
+			 " the daemon keeps for itself, but its open-file limit (RLIMIT_NOFILE) is "
+			 "%" PRIu64 ": lower --max-connections to at most %" PRIu64
+			 ", or raise the limit (LimitNOFILE= in the unit, ulimit -n)",
+			 l->connections, conns, SERVER_FDS_PER_CONN, fixed, s->nofile, most);
+		return -1;
+	}
+	uint64_t room = s->nofile - fixed - conns;
+	if (l->host_buffers > room) {
+		snprintf(why, len,
+			 "%" PRIu64 " host buffers (one each) and %" PRIu32 " connections (%" PRIu64
+			 ") need %" PRIu64 " file descriptors with the %" PRIu64
+			 " the daemon keeps for itself, but its open-file limit (RLIMIT_NOFILE) is "
+			 "%" PRIu64 ": lower --max-host-buffers to at most %" PRIu64
+			 " (or --max-connections), or raise the limit (LimitNOFILE= in the unit, "
+			 "ulimit -n)",
+			 l->host_buffers, l->connections, conns, l->host_buffers + conns + fixed,
+			 fixed, s->nofile, room);
+		return -1;
+	}
+	*host_buffers = l->host_buffers ? l->host_buffers : room;
+	return 0;
+}
+
+/* Learn the open-file limit and what the daemon holds already, check
+ * cfg's limits against them and hand the broker its host-buffer limit.
+ * 0, or -1 with the reason logged. */
+static int fds_start(server *s, const server_config *cfg)
+{
+	struct rlimit rl;
+	char why[512];
+	s->nofile = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < SERVER_NOFILE_MAX
+			    ? rl.rlim_cur
+			    : SERVER_NOFILE_MAX;
+	int own = metrics_open_fds();
+	s->fds_own = own > 0 ? (uint64_t)own : SERVER_FDS_SPARE;
+	if (fd_budget(s, &cfg->limits, &s->host_buffers, why, sizeof(why)) < 0) {
+		log_error("event=start_failed error=\"%s\"", why);
+		return -1;
+	}
+	broker_limits l = cfg->limits;
+	l.host_buffers = s->host_buffers;
+	broker_set_limits(s->b, &l);
+	log_info("event=open_files limit=%" PRIu64 " own=%" PRIu64 " spare=%d pool=%d "
+		 "connections=%" PRIu32 " per_connection=%d host_buffers=%" PRIu64 "%s",
+		 s->nofile, s->fds_own, SERVER_FDS_SPARE, BACKEND_HOST_POOL_DEFAULT,
+		 cfg->limits.connections, SERVER_FDS_PER_CONN, s->host_buffers,
+		 cfg->limits.host_buffers ? "" : " (what the limit leaves)");
+	return 0;
+}
+
 /* The send-timeout sweep: close each connection whose queued output has
  * not moved for send_timeout_ms (its client stopped reading; backpressure
  * keeps its queue short, so the queue limit alone would never close it),
@@ -474,6 +563,7 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 	s->loop = loop;
 	s->cfg = *cfg;
 	s->listen_fd = -1;
+	raise_nofile();
 	broker_config bc = {.limits = cfg->limits};
 	s->b = broker_new(&bc);
 	s->host = backend_host_new();
@@ -531,6 +621,9 @@ int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 	if (server_init(out, loop, cfg) < 0)
 		return -1;
 	server *s = *out;
+	/* Before listening: a daemon whose limits do not fit makes no socket. */
+	if (fds_start(s, cfg) < 0)
+		return -1;
 	int passed = take_passed_socket(s);
 	if (passed < 0)
 		return -1;
@@ -555,7 +648,9 @@ int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 
 int server_start_detached(server **out, uv_loop_t *loop, const server_config *cfg)
 {
-	return server_init(out, loop, cfg);
+	if (server_init(out, loop, cfg) < 0)
+		return -1;
+	return fds_start(*out, cfg);
 }
 
 int server_metrics_start(server *s, const char *listen_addr)
@@ -564,15 +659,28 @@ int server_metrics_start(server *s, const char *listen_addr)
 	return s->metrics ? 0 : -1;
 }
 
+int server_reload_check(const server *s, const server_config *cfg, char *why, size_t len)
+{
+	uint64_t host_buffers;
+	return fd_budget(s, &cfg->limits, &host_buffers, why, len);
+}
+
 void server_reload(server *s, const server_config *cfg)
 {
+	char why[512];
+	broker_limits l = cfg->limits;
+	/* Checked by the caller (server_reload_check); should it not fit, the
+	 * host-buffer limit stays. */
+	if (fd_budget(s, &l, &s->host_buffers, why, sizeof(why)) < 0)
+		log_error("event=config_reload_failed error=\"%s\"", why);
+	l.host_buffers = s->host_buffers;
 	s->cfg.limits = cfg->limits;
 	s->cfg.queue_bytes = cfg->queue_bytes;
 	s->cfg.send_timeout_ms = cfg->send_timeout_ms;
 	s->cfg.conn_inflight = cfg->conn_inflight;
 	s->cfg.allow_uids = cfg->allow_uids;
 	s->cfg.allow_gids = cfg->allow_gids;
-	broker_set_limits(s->b, &cfg->limits);
+	broker_set_limits(s->b, &l);
 	conn_limits lim = limits_of(&s->cfg);
 	lim.max_datagram = s->conns.limits.max_datagram;
 	s->conns.limits = lim;

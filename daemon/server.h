@@ -16,8 +16,22 @@
 
 #include "backend_cuda.h"
 #include "broker.h"
+#include "conn.h"
 
 typedef struct server server;
+
+/* The open-file budget (docs/OPERATIONS.md, "Open files"). Each
+ * connection may hold its socket and the duplicated fds of the responses
+ * queued for it (at most one read's worth). */
+#define SERVER_FDS_PER_CONN (1 + CONN_READ_BATCH)
+/* Beyond what it has open once set up, the daemon keeps this many fds for
+ * itself: peers refused at their Hello waiting for it (64), connections
+ * accepted in one turn over the connection limit,
+ * the metrics endpoint (its socket, 32 scrapers and its own), fds received
+ * with one read, the reserve fd, and files the CUDA driver opens later. */
+#define SERVER_FDS_SPARE 256
+/* An open-file limit above this counts as this. */
+#define SERVER_NOFILE_MAX (1ULL << 30)
 
 /* Most entries of one allow-list (--allow-uids, --allow-gids). */
 #define SERVER_ALLOW_MAX 256
@@ -39,7 +53,8 @@ typedef struct server_config {
 	uint64_t
 		send_timeout_ms; /* queued output that cannot move this long drops the connection */
 	uint32_t conn_inflight;  /* parked requests per connection before reading it pauses */
-	broker_limits limits;    /* handed to the broker */
+	broker_limits limits;    /* handed to the broker; host_buffers 0: what the
+				  * open-file limit leaves (server_start) */
 	bool no_cuda;            /* --no-cuda: serve host buffers only */
 	backend_cuda_config cuda; /* slab, cache and device limits */
 } server_config;
@@ -47,7 +62,15 @@ typedef struct server_config {
 /* Listen (or take the socket systemd passed), set up the layers, timers
  * and signals. *out is set whenever a server was allocated, even when
  * starting failed: server_shutdown it either way. 0, or -1 with the reason
- * logged. */
+ * logged.
+ *
+ * The soft open-file limit (RLIMIT_NOFILE) is raised to the hard one, and
+ * the fds that cfg's limits may make the daemon hold must fit in it: those
+ * open once it is set up, SERVER_FDS_SPARE, the host memfd pool
+ * (BACKEND_HOST_POOL_DEFAULT), SERVER_FDS_PER_CONN per connection
+ * (limits.connections) and one per host buffer (limits.host_buffers; 0
+ * takes what is left). Otherwise it does not start, and the log says
+ * which limit to lower. */
 int server_start(server **out, uv_loop_t *loop, const server_config *cfg);
 /* Like server_start, but listen on nothing and leave the signals alone:
  * connections come only through server_add_conn (the fuzz target,
@@ -65,9 +88,13 @@ int server_add_conn(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
 /* Stop the metrics endpoint, close every connection and handle; run the
  * loop until all are gone and free everything, s too. NULL: nothing. */
 void server_shutdown(server *s);
+/* Whether the limits of cfg fit in the daemon's open-file budget (as
+ * server_start checks them): 0, or -1 with why (len bytes) naming the
+ * limit to lower. */
+int server_reload_check(const server *s, const server_config *cfg, char *why, size_t len);
 /* Apply the settings of cfg that can change while running (SIGHUP): the
  * broker limits (they apply to later requests; a lower limit takes nothing
- * back), queue_bytes, send_timeout_ms, conn_inflight and the allow-lists
+ * back; check them with server_reload_check first), queue_bytes, send_timeout_ms, conn_inflight and the allow-lists
  * (checked when a connection is accepted: open connections stay). Every
  * other field of cfg is ignored: the socket, max_datagram and CUDA
  * settings take effect only at the next start. */
