@@ -265,6 +265,8 @@ static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 		mc->refused[METRICS_LIMIT_CONN_INFLIGHT]);
 	fprintf(f, "bufbroker_refused_total{limit=\"allow_list\"} %" PRIu64 "\n",
 		mc->refused[METRICS_LIMIT_ALLOW_LIST]);
+	fprintf(f, "bufbroker_refused_total{limit=\"open_files\"} %" PRIu64 "\n",
+		mc->refused[METRICS_LIMIT_OPEN_FILES]);
 
 	if (ferror(f)) {
 		fclose(f);

@@ -34,6 +34,7 @@ typedef enum metrics_limit {
 	METRICS_LIMIT_SEND_TIMEOUT,  /* queued output that did not move (--send-timeout): closed */
 	METRICS_LIMIT_CONN_INFLIGHT, /* parked requests (--conn-inflight): reading paused */
 	METRICS_LIMIT_ALLOW_LIST,    /* a peer no allow-list admits (--allow-uids/gids) */
+	METRICS_LIMIT_OPEN_FILES,    /* a connection the daemon has no fd for (RLIMIT_NOFILE) */
 	METRICS_LIMIT_COUNT
 } metrics_limit;
 

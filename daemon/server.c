@@ -55,9 +55,14 @@ struct server {
 	int listen_fd;               /* listening socket */
 	bool own_socket_file;        /* we bound it (so we unlink it on exit) */
 	uv_poll_t listen_poll;       /* accept readiness */
+	uv_timer_t accept_timer;     /* accepting paused (accept failed): resumes it */
 	uint64_t nofile;             /* the open-file limit (RLIMIT_NOFILE) */
 	uint64_t fds_own;            /* fds open once the daemon was set up */
 	uint64_t host_buffers;       /* max_host_buffers in effect (0 in cfg: what nofile leaves) */
+	int reserve_fd;              /* held to accept and refuse with when out of fds; -1: lost */
+	bool accept_failing;         /* accept failed since the last connection accepted */
+	uint64_t accept_refused;     /* connections refused for want of fds, not yet logged */
+	uint64_t accept_logged_ms;   /* loop time of the last accept_failed line */
 	uv_timer_t send_timer;       /* while output is queued: the send-timeout sweep */
 	uv_check_t reaper;           /* after each turn: close doomed conns, retry_allocs */
 	uv_idle_t reap_soon;         /* active while conns are doomed: the turn does not block */
@@ -276,22 +281,97 @@ int server_add_conn(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
 	return conn_start(&s->conns, fd, uid, gid, pid, denied) ? 0 : -1;
 }
 
+/* ---- accepting, and running out of file descriptors ------------------------- */
+
+/* Answer the connections waiting to be accepted when the daemon has no file
+ * descriptor for them (err: EMFILE or ENFILE): each is accepted on the
+ * number the reserve fd frees, told why, and closed, so that a client
+ * learns at once what it would otherwise wait for in the backlog. Returns
+ * how many were refused. */
+static uint64_t refuse_waiting(server *s, int err)
+{
+	char msg[256];
+	uint64_t n = 0;
+	if (err == ENFILE)
+		snprintf(msg, sizeof(msg),
+			 "the daemon is out of file descriptors: the system's file table is full "
+			 "(fs.file-max); try again later");
+	else
+		snprintf(msg, sizeof(msg),
+			 "the daemon is out of file descriptors: all %" PRIu64
+			 " that its open-file limit (RLIMIT_NOFILE) allows are in use; try again "
+			 "once buffers or connections are released",
+			 s->nofile);
+	while (s->reserve_fd >= 0 && n < SERVER_ACCEPT_BATCH) {
+		close(s->reserve_fd);
+		int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd >= 0) {
+			conn_refuse(&s->conns, fd, BB_ERR_NO_MEMORY, msg);
+			metrics_refused(&s->counters, METRICS_LIMIT_OPEN_FILES);
+			n++;
+		}
+		/* Another thread may have taken the number: then the reserve
+		 * is lost until the pause ends. */
+		s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			break;
+	}
+	return n;
+}
+
+static void on_accept(uv_poll_t *p, int status, int events);
+
+static void on_accept_timer(uv_timer_t *t)
+{
+	server *s = t->data;
+	if (s->reserve_fd < 0)
+		s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+}
+
+/* accept failed with err (not EAGAIN): a waiting connection keeps the
+ * listener readable, so retrying at once would spin. Refuse what waits
+ * when err is the want of fds, pause accepting for SERVER_ACCEPT_PAUSE_MS,
+ * and log the first failure and then one line per SERVER_ACCEPT_LOG_MS. */
+static void accept_failed(server *s, int err)
+{
+	uint64_t now = uv_now(s->loop);
+	if (err == EMFILE || err == ENFILE)
+		s->accept_refused += refuse_waiting(s, err);
+	if (!s->accept_failing || now - s->accept_logged_ms >= SERVER_ACCEPT_LOG_MS) {
+		log_warn("event=accept_failed error=\"%s\" open_file_limit=%" PRIu64
+			 " refused=%" PRIu64 " pause_ms=%d",
+			 strerror(err), s->nofile, s->accept_refused, SERVER_ACCEPT_PAUSE_MS);
+		s->accept_logged_ms = now;
+		s->accept_refused = 0;
+	}
+	s->accept_failing = true;
+	uv_poll_stop(&s->listen_poll);
+	uv_timer_start(&s->accept_timer, on_accept_timer, SERVER_ACCEPT_PAUSE_MS, 0);
+}
+
 static void on_accept(uv_poll_t *p, int status, int events)
 {
 	server *s = p->data;
 	(void)events;
 	if (status < 0)
 		return;
-	/* Accept all that wait: each accept is cheap and a burst of clients
-	 * should not need one loop turn each. */
-	for (;;) {
+	/* Accept what waits, a batch per turn: each accept is cheap and a
+	 * burst of clients should not need one loop turn each, but the fds of
+	 * connections refused in one turn are bounded (SERVER_FDS_SPARE). */
+	for (int i = 0; i < SERVER_ACCEPT_BATCH; i++) {
 		int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
 		if (fd < 0) {
-			if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-				log_warn("event=accept_failed error=\"%s\"", strerror(errno));
-			if (errno == EINTR)
+			if (errno == EINTR || errno == ECONNABORTED)
 				continue;
+			if (errno != EAGAIN && errno != EWOULDBLOCK)
+				accept_failed(s, errno);
 			return;
+		}
+		if (s->accept_failing) {
+			log_info("event=accept_resumed refused=%" PRIu64, s->accept_refused);
+			s->accept_failing = false;
+			s->accept_refused = 0;
 		}
 		struct ucred cred;
 		socklen_t len = sizeof(cred);
@@ -366,12 +446,13 @@ static int fd_budget(const server *s, const broker_limits *l, uint64_t *host_buf
 }
 
 /* Learn the open-file limit and what the daemon holds already, check
- * cfg's limits against them and hand the broker its host-buffer limit.
- * 0, or -1 with the reason logged. */
+ * cfg's limits against them and hand the broker its host-buffer limit;
+ * hold the reserve fd. 0, or -1 with the reason logged. */
 static int fds_start(server *s, const server_config *cfg)
 {
 	struct rlimit rl;
 	char why[512];
+	s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	s->nofile = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < SERVER_NOFILE_MAX
 			    ? rl.rlim_cur
 			    : SERVER_NOFILE_MAX;
@@ -563,6 +644,7 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 	s->loop = loop;
 	s->cfg = *cfg;
 	s->listen_fd = -1;
+	s->reserve_fd = -1;
 	raise_nofile();
 	broker_config bc = {.limits = cfg->limits};
 	s->b = broker_new(&bc);
@@ -608,6 +690,8 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 
 	uv_timer_init(loop, &s->send_timer);
 	s->send_timer.data = s;
+	uv_timer_init(loop, &s->accept_timer);
+	s->accept_timer.data = s;
 	uv_check_init(loop, &s->reaper);
 	s->reaper.data = s;
 	uv_check_start(&s->reaper, on_reap);
@@ -718,6 +802,8 @@ void server_shutdown(server *s)
 	}
 	if (s->listen_fd >= 0)
 		close(s->listen_fd);
+	if (s->reserve_fd >= 0)
+		close(s->reserve_fd);
 	if (s->own_socket_file)
 		unlink(s->cfg.socket_path);
 	broker_free(s->b);

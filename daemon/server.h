@@ -20,13 +20,21 @@
 
 typedef struct server server;
 
+/* Most connections accepted per readiness of the listening socket. */
+#define SERVER_ACCEPT_BATCH 64
+/* After accept fails (out of file descriptors), accepting pauses this
+ * long; the failure is logged once, then at most once per
+ * SERVER_ACCEPT_LOG_MS while it lasts. */
+#define SERVER_ACCEPT_PAUSE_MS 100
+#define SERVER_ACCEPT_LOG_MS 10000
+
 /* The open-file budget (docs/OPERATIONS.md, "Open files"). Each
  * connection may hold its socket and the duplicated fds of the responses
  * queued for it (at most one read's worth). */
 #define SERVER_FDS_PER_CONN (1 + CONN_READ_BATCH)
 /* Beyond what it has open once set up, the daemon keeps this many fds for
  * itself: peers refused at their Hello waiting for it (64), connections
- * accepted in one turn over the connection limit,
+ * accepted in one turn over the connection limit (SERVER_ACCEPT_BATCH),
  * the metrics endpoint (its socket, 32 scrapers and its own), fds received
  * with one read, the reserve fd, and files the CUDA driver opens later. */
 #define SERVER_FDS_SPARE 256
@@ -70,7 +78,9 @@ typedef struct server_config {
  * (BACKEND_HOST_POOL_DEFAULT), SERVER_FDS_PER_CONN per connection
  * (limits.connections) and one per host buffer (limits.host_buffers; 0
  * takes what is left). Otherwise it does not start, and the log says
- * which limit to lower. */
+ * which limit to lower. A new connection when the daemon is out of fds
+ * anyway is answered Response{id: 0, BB_ERR_NO_MEMORY} and closed, and
+ * accepting pauses (SERVER_ACCEPT_PAUSE_MS). */
 int server_start(server **out, uv_loop_t *loop, const server_config *cfg);
 /* Like server_start, but listen on nothing and leave the signals alone:
  * connections come only through server_add_conn (the fuzz target,
