@@ -9,6 +9,8 @@
  * runs libmicrohttpd on its own thread; a scrape asks the loop thread for a
  * rendered snapshot (uv_async_send) and waits for it at most
  * METRICS_SCRAPE_TIMEOUT_MS, answering 503 when the loop does not answer.
+ * The process's own gauges (process_open_fds, process_max_fds) are read
+ * and rendered on the HTTP thread.
  */
 #ifndef BB_METRICS_H
 #define BB_METRICS_H
@@ -59,8 +61,8 @@ void metrics_refused(metrics_counters *mc, metrics_limit limit);
 
 /* The file descriptors this process has open (the entries of
  * /proc/self/fd), or -1 when it cannot tell (errno says why). It reads
- * every entry: tens of milliseconds at tens of thousands of fds, so it is
- * not for the loop thread while it serves. */
+ * every entry: tens of milliseconds at tens of thousands of fds, so the
+ * endpoint calls it on its own thread, never the loop's. */
 int metrics_open_fds(void);
 
 /* Serve GET /metrics on listen_addr: "IPV4:PORT", "[IPV6]:PORT" or
