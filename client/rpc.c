@@ -84,6 +84,8 @@ int bbc_fail_dead(const bb_client *c)
 	return bbc_fail(BB_ERR_DISCONNECTED, "%s", c->dead_msg);
 }
 
+static void client_read_locked(bb_client *c);
+
 /* Send one packed request, fd attached unless fd < 0. No lock held. */
 static int client_send_packed(bb_client *c, const uint8_t *buf, size_t len, int fd)
 {
@@ -99,6 +101,17 @@ static int client_send_packed(bb_client *c, const uint8_t *buf, size_t len, int 
 		int rc;
 
 		pthread_mutex_lock(&c->mu);
+		/* The daemon closed the connection, and may have said why
+		 * first (an answer with id 0, as when it refuses a connection
+		 * before its Hello): what it sent is queued to us up to the
+		 * end of the stream, so read it, answering the calls it
+		 * answers, and die with its reason. */
+		while (!c->dead && n != -ENOTCONN) {
+			if (!c->reading)
+				client_read_locked(c);
+			else
+				pthread_cond_wait(&c->cv, &c->mu);
+		}
 		client_die_locked(c, "lost the connection to bufbrokerd: %s",
 				  bbc_errstr((int)-n, eb, sizeof(eb)));
 		rc = bbc_fail_dead(c);

@@ -209,6 +209,7 @@ void broker_limits_default(broker_limits *l)
 	 * default is generous but finite. */
 	l->uid_bytes[BB_CUDA] = 1ULL << 40;
 	l->uid_buffers = 65536;
+	l->host_buffers = 65536;
 	l->connections = 1024;
 	l->conn_tokens = 4096;
 	l->uid_tokens = 65536;
@@ -484,6 +485,14 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 			    "uid %u would own %" PRIu64 " buffers; the limit is %" PRIu64
 			    " (--uid-buffers)",
 			    conn->uid, have_buffers + 1, b->limits.uid_buffers);
+	}
+	/* Each host buffer holds a memfd: this bounds the daemon's fds. */
+	if (req->kind == BB_HOST && b->buffers[BB_HOST] + 1 > b->limits.host_buffers) {
+		b->refused[BROKER_LIMIT_HOST_BUFFERS]++;
+		return fail(err, BB_ERR_NO_MEMORY,
+			    "the daemon would hold %" PRIu64 " host buffers; the limit is %" PRIu64
+			    " (--max-host-buffers)",
+			    b->buffers[BB_HOST] + 1, b->limits.host_buffers);
 	}
 	if (req->size > b->limits.uid_bytes[req->kind] ||
 	    have_bytes > b->limits.uid_bytes[req->kind] - req->size) {
@@ -1085,6 +1094,7 @@ const char *broker_limit_name(broker_limit limit)
 		[BROKER_LIMIT_CONN_TOKENS] = "conn_tokens",
 		[BROKER_LIMIT_CONN_WAITS] = "conn_waits",
 		[BROKER_LIMIT_UID_TOKENS] = "uid_tokens",
+		[BROKER_LIMIT_HOST_BUFFERS] = "host_buffers",
 	};
 	return (unsigned)limit < BROKER_LIMIT_COUNT ? names[limit] : NULL;
 }

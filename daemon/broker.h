@@ -20,9 +20,10 @@
  * - Open, retain, stat and wait need the share policy to admit the caller
  *   (or the caller to hold the buffer); a token admits anyone; uid 0 is
  *   admitted by every policy. Take and release need the caller to hold it.
- * - Limits: bytes and buffers per uid, connections, tokens per connection
- *   and per uid (tokens outlive their connection), parked waits per
- *   connection.
+ * - Limits: bytes and buffers per uid, host buffers in all (each holds a
+ *   memfd, a file descriptor of the daemon's), connections, tokens per
+ *   connection and per uid (tokens outlive their connection), parked waits
+ *   per connection.
  *
  * Every function that can fail returns 0 or a BB_ERR_* code and, on failure,
  * writes a sentence into *err.
@@ -52,6 +53,7 @@ typedef struct broker_error {
 typedef struct broker_limits {
 	uint64_t uid_bytes[BROKER_KINDS]; /* bytes one uid may hold, per kind */
 	uint64_t uid_buffers;             /* live buffers one uid may own */
+	uint64_t host_buffers;            /* live host buffers in all (a memfd each) */
 	uint32_t connections;             /* open connections in all */
 	uint32_t conn_tokens;             /* live tokens one connection made */
 	uint64_t uid_tokens;              /* live tokens one uid made, closed connections' too */
@@ -89,12 +91,13 @@ typedef struct broker_info {
 /* The broker's limits that refuse requests, for counting refusals. Named
  * (broker_limit_name) as the broker_limits fields are. */
 typedef enum broker_limit {
-	BROKER_LIMIT_CONNECTIONS, /* broker_conn_open */
-	BROKER_LIMIT_UID_BUFFERS, /* broker_alloc */
-	BROKER_LIMIT_UID_BYTES,   /* broker_alloc */
-	BROKER_LIMIT_CONN_TOKENS, /* broker_take */
-	BROKER_LIMIT_CONN_WAITS,  /* broker_wait */
-	BROKER_LIMIT_UID_TOKENS,  /* broker_take */
+	BROKER_LIMIT_CONNECTIONS,  /* broker_conn_open */
+	BROKER_LIMIT_UID_BUFFERS,  /* broker_alloc */
+	BROKER_LIMIT_UID_BYTES,    /* broker_alloc */
+	BROKER_LIMIT_CONN_TOKENS,  /* broker_take */
+	BROKER_LIMIT_CONN_WAITS,   /* broker_wait */
+	BROKER_LIMIT_UID_TOKENS,   /* broker_take */
+	BROKER_LIMIT_HOST_BUFFERS, /* broker_alloc */
 	BROKER_LIMIT_COUNT
 } broker_limit;
 
@@ -132,8 +135,10 @@ struct broker_waiter {
 };
 
 /* Defaults that suit a GPU node: per-uid host bytes are half of physical
- * memory, 65536 buffers per uid, 1024 connections, 4096 tokens and 1024
- * waits per connection, 65536 tokens per uid, 60 s token TTL. */
+ * memory, 65536 buffers per uid, 65536 host buffers in all, 1024
+ * connections, 4096 tokens and 1024 waits per connection, 65536 tokens per
+ * uid, 60 s token TTL. (The daemon sizes host_buffers to its open-file
+ * limit instead: server.h.) */
 void broker_limits_default(broker_limits *l);
 
 broker *broker_new(const broker_config *cfg);

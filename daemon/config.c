@@ -68,6 +68,8 @@ static const key keys[] = {
 	 true},
 	{"limits", "max_connections", "max-connections", KEY_U32, LIM(connections), 1, UINT32_MAX,
 	 false, true},
+	{"limits", "max_host_buffers", "max-host-buffers", KEY_U64, LIM(host_buffers), 0,
+	 UINT64_MAX, false, true},
 	{"limits", "conn_tokens", "conn-tokens", KEY_U32, LIM(conn_tokens), 0, UINT32_MAX, false,
 	 true},
 	{"limits", "conn_waits", "conn-waits", KEY_U32, LIM(conn_waits), 0, UINT32_MAX, false,
@@ -517,6 +519,7 @@ void config_init(config *c)
 	c->server.conn_inflight = 2048;
 	c->server.host_pool = BACKEND_HOST_POOL_DEFAULT;
 	broker_limits_default(&c->server.limits);
+	c->server.limits.host_buffers = 0; /* what the open-file limit leaves (server.h) */
 	backend_cuda_config_default(&c->server.cuda);
 	c->log_level = LOG_INFO;
 }

@@ -555,6 +555,18 @@ static void drain(int fd)
 	}
 }
 
+void conn_refuse(conn_env *env, int fd, int code, const char *msg)
+{
+	const unsigned char *data;
+	size_t len = codec_encode_status(env->codec, 0, code, msg, &data);
+	/* A new socket's buffer is empty: the answer fits, or the peer is
+	 * gone already. */
+	if (len)
+		(void)msgio_send(fd, data, len, -1);
+	drain(fd);
+	close(fd);
+}
+
 /* Release what c held and close it: no more lingering. */
 static void close_now(conn *c)
 {

@@ -74,6 +74,11 @@ void conn_env_free(conn_env *env);
  * from here, even when the request layer refuses it at once. NULL out of
  * memory (fd is still the caller's). */
 conn *conn_start(conn_env *env, int fd, uint32_t uid, uint32_t gid, uint32_t pid, bool denied);
+/* Answer fd, an accepted socket that gets no connection (the daemon has no
+ * file descriptor to serve it with), Response{id: 0, code, msg}, and close
+ * it at once, after reading and dropping what its peer had sent (so that
+ * the peer reads the answer, not a reset). */
+void conn_refuse(conn_env *env, int fd, int code, const char *msg);
 /* Close c at the end of this loop turn (env's reap_soon): nothing it sends
  * from now on is read, nothing more is answered; what is already queued
  * for it is still sent (conn_close). why is copied, for the log. */

@@ -45,6 +45,8 @@ static void usage(FILE *out)
 		"  --uid-host-bytes BYTES host bytes one uid may hold (default half of RAM)\n"
 		"  --uid-cuda-bytes BYTES CUDA bytes one uid may hold, all devices (default 1T)\n"
 		"  --uid-buffers N        live buffers one uid may own (default 65536)\n"
+		"  --max-host-buffers N   live host buffers in all, one file descriptor each\n"
+		"                         (default 0: what the open-file limit leaves)\n"
 		"  --conn-tokens N        live tokens one connection may make (default 4096)\n"
 		"  --uid-tokens N         live tokens one uid may have made, its closed\n"
 		"                         connections' included (default 65536)\n"
@@ -92,6 +94,7 @@ static const struct option options[] = {
 	{"socket-group", required_argument, NULL, OPT_KEY},
 	{"token-ttl", required_argument, NULL, OPT_KEY},
 	{"max-connections", required_argument, NULL, OPT_KEY},
+	{"max-host-buffers", required_argument, NULL, OPT_KEY},
 	{"uid-host-bytes", required_argument, NULL, OPT_KEY},
 	{"uid-cuda-bytes", required_argument, NULL, OPT_KEY},
 	{"uid-buffers", required_argument, NULL, OPT_KEY},
@@ -161,12 +164,16 @@ static void on_sighup(uv_signal_t *h, int signum)
 	(void)h;
 	(void)signum;
 	log_escape(d.file, file, sizeof(file));
+	char why[512], esc[600];
 	size_t n = load(&fresh, &fp, &flp);
 	if (n) {
 		config_problems_log(&fp);
 		config_problems_log(&flp);
 		log_error("event=config_reload_failed file=\"%s\" problems=%zu action=none", file,
 			  n);
+	} else if (server_reload_check(d.s, &fresh.server, why, sizeof(why)) < 0) {
+		log_error("event=config_reload_failed file=\"%s\" error=\"%s\" action=none", file,
+			  log_escape(why, esc, sizeof(esc)));
 	} else {
 		size_t applied = config_apply_live(&d.running, &fresh);
 		server_reload(d.s, &d.running.server);

@@ -5,6 +5,7 @@
  * it: a scrape asks the loop thread to render a snapshot and waits for it.
  */
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <netinet/in.h>
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -264,6 +266,8 @@ static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 		mc->refused[METRICS_LIMIT_CONN_INFLIGHT]);
 	fprintf(f, "bufbroker_refused_total{limit=\"allow_list\"} %" PRIu64 "\n",
 		mc->refused[METRICS_LIMIT_ALLOW_LIST]);
+	fprintf(f, "bufbroker_refused_total{limit=\"open_files\"} %" PRIu64 "\n",
+		mc->refused[METRICS_LIMIT_OPEN_FILES]);
 
 	if (ferror(f)) {
 		fclose(f);
@@ -272,6 +276,59 @@ static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 		return -1;
 	}
 	return fclose(f) == 0 ? 0 : -1;
+}
+
+int metrics_open_fds(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	if (!d)
+		return -1;
+	int n = 0;
+	struct dirent *e;
+	while ((e = readdir(d)))
+		if (e->d_name[0] != '.')
+			n++;
+	closedir(d);
+	return n - 1; /* the directory's own */
+}
+
+/* HTTP thread: text (*len bytes, malloc'ed) with the process's gauges
+ * after it, under the names Prometheus's client libraries give them.
+ * Returns the text (text itself when there is no memory for more). */
+static char *with_process(char *text, size_t *len)
+{
+	char *more = NULL;
+	size_t n = 0;
+	struct rlimit rl;
+	FILE *f = open_memstream(&more, &n);
+	if (!f)
+		return text;
+	bool limit = getrlimit(RLIMIT_NOFILE, &rl) == 0;
+	int open = metrics_open_fds();
+	/* Out of fds to open the directory with: every one is in use. */
+	if (open < 0 && errno == EMFILE && limit)
+		open = (int)rl.rlim_cur;
+	if (open >= 0) {
+		family(f, "process_open_fds", "gauge", "Number of open file descriptors.");
+		fprintf(f, "process_open_fds %d\n", open);
+	}
+	if (limit) {
+		family(f, "process_max_fds", "gauge", "Maximum number of open file descriptors.");
+		fprintf(f, "process_max_fds %llu\n", (unsigned long long)rl.rlim_cur);
+	}
+	if (fclose(f) != 0 || !more) {
+		free(more);
+		return text;
+	}
+	char *all = realloc(text, *len + n);
+	if (all) {
+		memcpy(all + *len, more, n);
+		*len += n;
+	} else {
+		all = text;
+	}
+	free(more);
+	return all;
 }
 
 /* A snapshot of src, rendered. 0 or -1. */
@@ -402,6 +459,7 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *mc, const char 
 	if (!text)
 		return respond(mc, MHD_HTTP_SERVICE_UNAVAILABLE,
 			       STATIC_BODY("the daemon's event loop did not answer within 2 s\n"));
+	text = with_process(text, &len);
 	return respond(mc, MHD_HTTP_OK, text, len, true);
 }
 

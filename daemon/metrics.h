@@ -9,6 +9,8 @@
  * runs libmicrohttpd on its own thread; a scrape asks the loop thread for a
  * rendered snapshot (uv_async_send) and waits for it at most
  * METRICS_SCRAPE_TIMEOUT_MS, answering 503 when the loop does not answer.
+ * The process's own gauges (process_open_fds, process_max_fds) are read
+ * and rendered on the HTTP thread.
  */
 #ifndef BB_METRICS_H
 #define BB_METRICS_H
@@ -34,6 +36,7 @@ typedef enum metrics_limit {
 	METRICS_LIMIT_SEND_TIMEOUT,  /* queued output that did not move (--send-timeout): closed */
 	METRICS_LIMIT_CONN_INFLIGHT, /* parked requests (--conn-inflight): reading paused */
 	METRICS_LIMIT_ALLOW_LIST,    /* a peer no allow-list admits (--allow-uids/gids) */
+	METRICS_LIMIT_OPEN_FILES,    /* a connection the daemon has no fd for (RLIMIT_NOFILE) */
 	METRICS_LIMIT_COUNT
 } metrics_limit;
 
@@ -55,6 +58,12 @@ void metrics_handled(metrics_counters *mc, int op, uint64_t ns);
 void metrics_answered(metrics_counters *mc, int op, int status);
 /* A server limit refused something. */
 void metrics_refused(metrics_counters *mc, metrics_limit limit);
+
+/* The file descriptors this process has open (the entries of
+ * /proc/self/fd), or -1 when it cannot tell (errno says why). It reads
+ * every entry: tens of milliseconds at tens of thousands of fds, so the
+ * endpoint calls it on its own thread, never the loop's. */
+int metrics_open_fds(void);
 
 /* Serve GET /metrics on listen_addr: "IPV4:PORT", "[IPV6]:PORT" or
  * "localhost:PORT" (an address literal: no name lookup); port 0 takes a free

@@ -13,6 +13,7 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -54,6 +55,14 @@ struct server {
 	int listen_fd;               /* listening socket */
 	bool own_socket_file;        /* we bound it (so we unlink it on exit) */
 	uv_poll_t listen_poll;       /* accept readiness */
+	uv_timer_t accept_timer;     /* accepting paused (accept failed): resumes it */
+	uint64_t nofile;             /* the open-file limit (RLIMIT_NOFILE) */
+	uint64_t fds_own;            /* fds open once the daemon was set up */
+	uint64_t host_buffers;       /* max_host_buffers in effect (0 in cfg: what nofile leaves) */
+	int reserve_fd;              /* held to accept and refuse with when out of fds; -1: lost */
+	bool accept_failing;         /* accept failed since the last connection accepted */
+	uint64_t accept_refused;     /* connections refused for want of fds, not yet logged */
+	uint64_t accept_logged_ms;   /* loop time of the last accept_failed line */
 	uv_timer_t send_timer;       /* while output is queued: the send-timeout sweep */
 	uv_check_t reaper;           /* after each turn: close doomed conns, retry_allocs */
 	uv_idle_t reap_soon;         /* active while conns are doomed: the turn does not block */
@@ -272,22 +281,97 @@ int server_add_conn(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
 	return conn_start(&s->conns, fd, uid, gid, pid, denied) ? 0 : -1;
 }
 
+/* ---- accepting, and running out of file descriptors ------------------------- */
+
+/* Answer the connections waiting to be accepted when the daemon has no file
+ * descriptor for them (err: EMFILE or ENFILE): each is accepted on the
+ * number the reserve fd frees, told why, and closed, so that a client
+ * learns at once what it would otherwise wait for in the backlog. Returns
+ * how many were refused. */
+static uint64_t refuse_waiting(server *s, int err)
+{
+	char msg[256];
+	uint64_t n = 0;
+	if (err == ENFILE)
+		snprintf(msg, sizeof(msg),
+			 "the daemon is out of file descriptors: the system's file table is full "
+			 "(fs.file-max); try again later");
+	else
+		snprintf(msg, sizeof(msg),
+			 "the daemon is out of file descriptors: all %" PRIu64
+			 " that its open-file limit (RLIMIT_NOFILE) allows are in use; try again "
+			 "once buffers or connections are released",
+			 s->nofile);
+	while (s->reserve_fd >= 0 && n < SERVER_ACCEPT_BATCH) {
+		close(s->reserve_fd);
+		int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd >= 0) {
+			conn_refuse(&s->conns, fd, BB_ERR_NO_MEMORY, msg);
+			metrics_refused(&s->counters, METRICS_LIMIT_OPEN_FILES);
+			n++;
+		}
+		/* Another thread may have taken the number: then the reserve
+		 * is lost until the pause ends. */
+		s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			break;
+	}
+	return n;
+}
+
+static void on_accept(uv_poll_t *p, int status, int events);
+
+static void on_accept_timer(uv_timer_t *t)
+{
+	server *s = t->data;
+	if (s->reserve_fd < 0)
+		s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	uv_poll_start(&s->listen_poll, UV_READABLE, on_accept);
+}
+
+/* accept failed with err (not EAGAIN): a waiting connection keeps the
+ * listener readable, so retrying at once would spin. Refuse what waits
+ * when err is the want of fds, pause accepting for SERVER_ACCEPT_PAUSE_MS,
+ * and log the first failure and then one line per SERVER_ACCEPT_LOG_MS. */
+static void accept_failed(server *s, int err)
+{
+	uint64_t now = uv_now(s->loop);
+	if (err == EMFILE || err == ENFILE)
+		s->accept_refused += refuse_waiting(s, err);
+	if (!s->accept_failing || now - s->accept_logged_ms >= SERVER_ACCEPT_LOG_MS) {
+		log_warn("event=accept_failed error=\"%s\" open_file_limit=%" PRIu64
+			 " refused=%" PRIu64 " pause_ms=%d",
+			 strerror(err), s->nofile, s->accept_refused, SERVER_ACCEPT_PAUSE_MS);
+		s->accept_logged_ms = now;
+		s->accept_refused = 0;
+	}
+	s->accept_failing = true;
+	uv_poll_stop(&s->listen_poll);
+	uv_timer_start(&s->accept_timer, on_accept_timer, SERVER_ACCEPT_PAUSE_MS, 0);
+}
+
 static void on_accept(uv_poll_t *p, int status, int events)
 {
 	server *s = p->data;
 	(void)events;
 	if (status < 0)
 		return;
-	/* Accept all that wait: each accept is cheap and a burst of clients
-	 * should not need one loop turn each. */
-	for (;;) {
+	/* Accept what waits, a batch per turn: each accept is cheap and a
+	 * burst of clients should not need one loop turn each, but the fds of
+	 * connections refused in one turn are bounded (SERVER_FDS_SPARE). */
+	for (int i = 0; i < SERVER_ACCEPT_BATCH; i++) {
 		int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
 		if (fd < 0) {
-			if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-				log_warn("event=accept_failed error=\"%s\"", strerror(errno));
-			if (errno == EINTR)
+			if (errno == EINTR || errno == ECONNABORTED)
 				continue;
+			if (errno != EAGAIN && errno != EWOULDBLOCK)
+				accept_failed(s, errno);
 			return;
+		}
+		if (s->accept_failing) {
+			log_info("event=accept_resumed refused=%" PRIu64, s->accept_refused);
+			s->accept_failing = false;
+			s->accept_refused = 0;
 		}
 		struct ucred cred;
 		socklen_t len = sizeof(cred);
@@ -301,6 +385,93 @@ static void on_accept(uv_poll_t *p, int status, int events)
 			close(fd);
 		}
 	}
+}
+
+/* ---- the open-file budget ------------------------------------------------------ */
+
+/* Raise the soft open-file limit to the hard one: the soft default (1024)
+ * is kept low for select(), which the daemon does not use. */
+static void raise_nofile(void)
+{
+	struct rlimit rl;
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur >= rl.rlim_max)
+		return;
+	struct rlimit up = {.rlim_cur = rl.rlim_max, .rlim_max = rl.rlim_max};
+	if (setrlimit(RLIMIT_NOFILE, &up) < 0)
+		log_warn(
+			"event=open_file_limit error=\"cannot raise the soft limit %llu to the hard "
+			"limit %llu: %s\"",
+			(unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max,
+			strerror(errno));
+}
+
+/* The file descriptors cfg's limits may make the daemon hold, against its
+ * open-file limit (docs/OPERATIONS.md, "Open files"): those it had open
+ * when it was set up, SERVER_FDS_SPARE, the memfd pool (host_pool), SERVER_FDS_PER_CONN
+ * per connection and one per host buffer. 0 with *host_buffers set (a
+ * max_host_buffers of 0 is what the limit leaves), or -1 with why naming
+ * the limit to lower. */
+static int fd_budget(const server *s, const server_config *cfg, uint64_t *host_buffers, char *why,
+		     size_t len)
+{
+	const broker_limits *l = &cfg->limits;
+	uint64_t fixed = s->fds_own + SERVER_FDS_SPARE + cfg->host_pool;
+	uint64_t conns = (uint64_t)l->connections * SERVER_FDS_PER_CONN;
+	if (fixed + conns >= s->nofile) {
+		uint64_t most =
+			s->nofile > fixed + 1 ? (s->nofile - fixed - 1) / SERVER_FDS_PER_CONN : 0;
+		snprintf(why, len,
+			 "%" PRIu32 " connections need %" PRIu64
+			 " file descriptors (%d each) on top of the %" PRIu64
+			 " the daemon keeps for itself, but its open-file limit (RLIMIT_NOFILE) is "
+			 "%" PRIu64 ": lower --max-connections to at most %" PRIu64
+			 ", or raise the limit (LimitNOFILE= in the unit, ulimit -n)",
+			 l->connections, conns, SERVER_FDS_PER_CONN, fixed, s->nofile, most);
+		return -1;
+	}
+	uint64_t room = s->nofile - fixed - conns;
+	if (l->host_buffers > room) {
+		snprintf(why, len,
+			 "%" PRIu64 " host buffers (one each) and %" PRIu32 " connections (%" PRIu64
+			 ") need %" PRIu64 " file descriptors with the %" PRIu64
+			 " the daemon keeps for itself, but its open-file limit (RLIMIT_NOFILE) is "
+			 "%" PRIu64 ": lower --max-host-buffers to at most %" PRIu64
+			 " (or --max-connections), or raise the limit (LimitNOFILE= in the unit, "
+			 "ulimit -n)",
+			 l->host_buffers, l->connections, conns, l->host_buffers + conns + fixed,
+			 fixed, s->nofile, room);
+		return -1;
+	}
+	*host_buffers = l->host_buffers ? l->host_buffers : room;
+	return 0;
+}
+
+/* Learn the open-file limit and what the daemon holds already, check
+ * cfg's limits against them and hand the broker its host-buffer limit;
+ * hold the reserve fd. 0, or -1 with the reason logged. */
+static int fds_start(server *s, const server_config *cfg)
+{
+	struct rlimit rl;
+	char why[512];
+	s->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	s->nofile = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < SERVER_NOFILE_MAX
+			    ? rl.rlim_cur
+			    : SERVER_NOFILE_MAX;
+	int own = metrics_open_fds();
+	s->fds_own = own > 0 ? (uint64_t)own : SERVER_FDS_SPARE;
+	if (fd_budget(s, cfg, &s->host_buffers, why, sizeof(why)) < 0) {
+		log_error("event=start_failed error=\"%s\"", why);
+		return -1;
+	}
+	broker_limits l = cfg->limits;
+	l.host_buffers = s->host_buffers;
+	broker_set_limits(s->b, &l);
+	log_info("event=open_files limit=%" PRIu64 " own=%" PRIu64 " spare=%d pool=%u "
+		 "connections=%" PRIu32 " per_connection=%d host_buffers=%" PRIu64 "%s",
+		 s->nofile, s->fds_own, SERVER_FDS_SPARE, cfg->host_pool, cfg->limits.connections,
+		 SERVER_FDS_PER_CONN, s->host_buffers,
+		 cfg->limits.host_buffers ? "" : " (what the limit leaves)");
+	return 0;
 }
 
 /* The send-timeout sweep: close each connection whose queued output has
@@ -474,6 +645,8 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 	s->loop = loop;
 	s->cfg = *cfg;
 	s->listen_fd = -1;
+	s->reserve_fd = -1;
+	raise_nofile();
 	broker_config bc = {.limits = cfg->limits};
 	s->b = broker_new(&bc);
 	s->host = backend_host_new();
@@ -518,6 +691,8 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 
 	uv_timer_init(loop, &s->send_timer);
 	s->send_timer.data = s;
+	uv_timer_init(loop, &s->accept_timer);
+	s->accept_timer.data = s;
 	uv_check_init(loop, &s->reaper);
 	s->reaper.data = s;
 	uv_check_start(&s->reaper, on_reap);
@@ -531,6 +706,9 @@ int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 	if (server_init(out, loop, cfg) < 0)
 		return -1;
 	server *s = *out;
+	/* Before listening: a daemon whose limits do not fit makes no socket. */
+	if (fds_start(s, cfg) < 0)
+		return -1;
 	int passed = take_passed_socket(s);
 	if (passed < 0)
 		return -1;
@@ -555,7 +733,9 @@ int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 
 int server_start_detached(server **out, uv_loop_t *loop, const server_config *cfg)
 {
-	return server_init(out, loop, cfg);
+	if (server_init(out, loop, cfg) < 0)
+		return -1;
+	return fds_start(*out, cfg);
 }
 
 int server_metrics_start(server *s, const char *listen_addr)
@@ -564,8 +744,21 @@ int server_metrics_start(server *s, const char *listen_addr)
 	return s->metrics ? 0 : -1;
 }
 
+int server_reload_check(const server *s, const server_config *cfg, char *why, size_t len)
+{
+	uint64_t host_buffers;
+	return fd_budget(s, cfg, &host_buffers, why, len);
+}
+
 void server_reload(server *s, const server_config *cfg)
 {
+	char why[512];
+	broker_limits l = cfg->limits;
+	/* Checked by the caller (server_reload_check); should it not fit, the
+	 * host-buffer limit stays. */
+	if (fd_budget(s, cfg, &s->host_buffers, why, sizeof(why)) < 0)
+		log_error("event=config_reload_failed error=\"%s\"", why);
+	l.host_buffers = s->host_buffers;
 	s->cfg.limits = cfg->limits;
 	s->cfg.queue_bytes = cfg->queue_bytes;
 	s->cfg.send_timeout_ms = cfg->send_timeout_ms;
@@ -576,7 +769,7 @@ void server_reload(server *s, const server_config *cfg)
 		s->cfg.host_pool = cfg->host_pool;
 		backend_host_pool(s->host, cfg->host_pool, BACKEND_HOST_POOL_PER_CLASS_DEFAULT);
 	}
-	broker_set_limits(s->b, &cfg->limits);
+	broker_set_limits(s->b, &l);
 	conn_limits lim = limits_of(&s->cfg);
 	lim.max_datagram = s->conns.limits.max_datagram;
 	s->conns.limits = lim;
@@ -614,6 +807,8 @@ void server_shutdown(server *s)
 	}
 	if (s->listen_fd >= 0)
 		close(s->listen_fd);
+	if (s->reserve_fd >= 0)
+		close(s->reserve_fd);
 	if (s->own_socket_file)
 		unlink(s->cfg.socket_path);
 	broker_free(s->b);

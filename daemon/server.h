@@ -16,8 +16,30 @@
 
 #include "backend_cuda.h"
 #include "broker.h"
+#include "conn.h"
 
 typedef struct server server;
+
+/* Most connections accepted per readiness of the listening socket. */
+#define SERVER_ACCEPT_BATCH 64
+/* After accept fails (out of file descriptors), accepting pauses this
+ * long; the failure is logged once, then at most once per
+ * SERVER_ACCEPT_LOG_MS while it lasts. */
+#define SERVER_ACCEPT_PAUSE_MS 100
+#define SERVER_ACCEPT_LOG_MS 10000
+
+/* The open-file budget (docs/OPERATIONS.md, "Open files"). Each
+ * connection may hold its socket and the duplicated fds of the responses
+ * queued for it (at most one read's worth). */
+#define SERVER_FDS_PER_CONN (1 + CONN_READ_BATCH)
+/* Beyond what it has open once set up, the daemon keeps this many fds for
+ * itself: peers refused at their Hello waiting for it (64), connections
+ * accepted in one turn over the connection limit (SERVER_ACCEPT_BATCH),
+ * the metrics endpoint (its socket, 32 scrapers and its own), fds received
+ * with one read, the reserve fd, and files the CUDA driver opens later. */
+#define SERVER_FDS_SPARE 256
+/* An open-file limit above this counts as this. */
+#define SERVER_NOFILE_MAX (1ULL << 30)
 
 /* Most entries of one allow-list (--allow-uids, --allow-gids). */
 #define SERVER_ALLOW_MAX 256
@@ -40,7 +62,8 @@ typedef struct server_config {
 		send_timeout_ms; /* queued output that cannot move this long drops the connection */
 	uint32_t conn_inflight;  /* parked requests per connection before reading it pauses */
 	uint32_t host_pool;      /* freed host memfds kept for reuse; 0: none */
-	broker_limits limits;    /* handed to the broker */
+	broker_limits limits;    /* handed to the broker; host_buffers 0: what the
+				  * open-file limit leaves (server_start) */
 	bool no_cuda;            /* --no-cuda: serve host buffers only */
 	backend_cuda_config cuda; /* slab, cache and device limits */
 } server_config;
@@ -48,7 +71,17 @@ typedef struct server_config {
 /* Listen (or take the socket systemd passed), set up the layers, timers
  * and signals. *out is set whenever a server was allocated, even when
  * starting failed: server_shutdown it either way. 0, or -1 with the reason
- * logged. */
+ * logged.
+ *
+ * The soft open-file limit (RLIMIT_NOFILE) is raised to the hard one, and
+ * the fds that cfg's limits may make the daemon hold must fit in it: those
+ * open once it is set up, SERVER_FDS_SPARE, the host memfd pool
+ * (BACKEND_HOST_POOL_DEFAULT), SERVER_FDS_PER_CONN per connection
+ * (limits.connections) and one per host buffer (limits.host_buffers; 0
+ * takes what is left). Otherwise it does not start, and the log says
+ * which limit to lower. A new connection when the daemon is out of fds
+ * anyway is answered Response{id: 0, BB_ERR_NO_MEMORY} and closed, and
+ * accepting pauses (SERVER_ACCEPT_PAUSE_MS). */
 int server_start(server **out, uv_loop_t *loop, const server_config *cfg);
 /* Like server_start, but listen on nothing and leave the signals alone:
  * connections come only through server_add_conn (the fuzz target,
@@ -66,11 +99,16 @@ int server_add_conn(server *s, int fd, uint32_t uid, uint32_t gid, uint32_t pid)
 /* Stop the metrics endpoint, close every connection and handle; run the
  * loop until all are gone and free everything, s too. NULL: nothing. */
 void server_shutdown(server *s);
+/* Whether the limits of cfg fit in the daemon's open-file budget (as
+ * server_start checks them): 0, or -1 with why (len bytes) naming the
+ * limit to lower. */
+int server_reload_check(const server *s, const server_config *cfg, char *why, size_t len);
 /* Apply the settings of cfg that can change while running (SIGHUP): the
  * broker limits (they apply to later requests; a lower limit takes nothing
- * back), queue_bytes, send_timeout_ms, conn_inflight, the allow-lists
- * (checked when a connection is accepted: open connections stay) and
- * host_pool (a change closes what the pool holds). Every
+ * back; check them with server_reload_check first), queue_bytes,
+ * send_timeout_ms, conn_inflight, the allow-lists (checked when a
+ * connection is accepted: open connections stay) and host_pool (a change
+ * closes what the pool holds; it counts in the open-file budget). Every
  * other field of cfg is ignored: the socket, max_datagram and CUDA
  * settings take effect only at the next start. */
 void server_reload(server *s, const server_config *cfg);

@@ -135,7 +135,9 @@ typedef struct bb_cuda_ipc {
  * not root, else /run/bufbroker/bufbroker.sock). Sends Hello and checks the
  * protocol version. No daemon listening there: BB_ERR_DISCONNECTED; the
  * socket's permissions refuse the caller: BB_ERR_DENIED; a daemon of
- * another protocol major version: BB_ERR_PROTOCOL. */
+ * another protocol major version: BB_ERR_PROTOCOL; a daemon that takes no
+ * new connection now (at its connection limit, out of file descriptors):
+ * BB_ERR_DISCONNECTED, and bb_last_error() gives the daemon's reason. */
 int bb_connect(const char *path, bb_client **out);
 /* Releases everything held through c and frees its handles: none of them,
  * nor a pointer bb_map gave for one, may be used afterwards. NULL is

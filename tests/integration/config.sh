@@ -153,6 +153,7 @@ uid_host_bytes = 1M        ; comments may follow a value
 uid_cuda_bytes = 3M
 uid_buffers = 3
 max_connections = 64
+max_host_buffers = 1000
 conn_tokens = 16
 conn_waits = 16
 queue_bytes = 64K
@@ -184,6 +185,10 @@ start full --config "$FULL"
 STEP="[socket] path, mode, group"
 [[ $(stat -c %a "$SOCK") == 600 ]] || fail "socket mode $(stat -c %a "$SOCK"), want 600"
 [[ $(stat -c %G "$SOCK") == "$GROUP" ]] || fail "socket group $(stat -c %G "$SOCK"), want $GROUP"
+
+STEP="[limits] max_connections, max_host_buffers: the open-file budget"
+grep -q "event=open_files .*connections=64 per_connection=9 host_buffers=1000$" "$LOG" ||
+	fail "the open_files line does not show max_connections 64 and max_host_buffers 1000"
 
 STEP="[limits] max_datagram"
 st=$(cli --json status)
@@ -246,6 +251,92 @@ sleep 2 # past the file's ttl_ms: --token-ttl keeps them
 	fail "--token-ttl 60000 did not override ttl_ms = 1500"
 grep -q "level=info\|level=debug" "$LOG" && fail "--log-level warn did not override level = debug"
 stop
+
+# ---- the open-file budget ----------------------------------------------------------
+# start_nofile N NAME ARGS...: start NAME ARGS... (as start does) with its
+# open-file limit, soft and hard, at N.
+start_nofile() {
+	local n=$1 name=$2
+	shift 2
+	LOG=$DIR/$name.log
+	(ulimit -n "$n" && exec "$BUFBROKERD" "$@") >"$LOG" 2>&1 &
+	DPID=$!
+	wait_socket bufbrokerd
+}
+# refuse_nofile N ARGS...: the daemon, with its open-file limit at N, must
+# refuse to start (exit 1) without making its socket; its output in $out.
+refuse_nofile() {
+	local n=$1 rc=0
+	shift
+	out=$( (ulimit -n "$n" && exec timeout 10 "$BUFBROKERD" --socket "$SOCK" "$@") 2>&1) || rc=$?
+	[[ $rc -eq 1 ]] || fail "bufbrokerd with $n open files and $* exited $rc, want 1: $out"
+	[[ ! -e $SOCK ]] || fail "a daemon whose limits do not fit made its socket"
+}
+SOCK=$DIR/nofile.sock
+
+STEP="the open-file budget: connections that do not fit"
+refuse_nofile 512 --config /dev/null
+expect "1024 connections need 9216 file descriptors (9 each) on top of the "
+expect "but its open-file limit (RLIMIT_NOFILE) is 512: lower --max-connections to at most "
+
+STEP="the open-file budget: host buffers that do not fit"
+refuse_nofile 512 --config /dev/null --max-connections 16 --max-host-buffers 1000
+expect "1000 host buffers (one each) and 16 connections (144) need "
+most=$(sed -n 's/.*lower --max-host-buffers to at most \([0-9]*\) .*/\1/p' <<<"$out")
+[[ $most =~ ^[0-9]+$ && $most -gt 0 ]] || fail "no number to lower --max-host-buffers to: $out"
+
+STEP="the open-file budget: the number it names fits, and is enforced"
+start_nofile 512 nofile --config /dev/null --socket "$SOCK" --max-connections 16 \
+	--max-host-buffers "$most"
+grep -q "event=open_files limit=512 .*connections=16 per_connection=9 host_buffers=$most$" "$LOG" ||
+	fail "the open_files line does not show the budget: $(grep open_files "$LOG")"
+for i in $(seq "$most"); do
+	produce "n$i" 4096 || fail "host buffer $i of $most refused: $(cat "$DIR/out")"
+done
+produce "n$((most + 1))" 4096 && fail "a host buffer past --max-host-buffers $most was allowed"
+grep -q "the daemon would hold $((most + 1)) host buffers; the limit is $most (--max-host-buffers)" \
+	"$DIR/out" || fail "the refusal does not name the limit: $(cat "$DIR/out")"
+
+stop
+
+STEP="the open-file budget: a reload whose limits do not fit changes nothing"
+printf '[limits]\nmax_connections = 16\nmax_host_buffers = 0\n' >"$DIR/nofile.conf"
+start_nofile 512 nofile-hup --config "$DIR/nofile.conf" --socket "$SOCK"
+auto=$(sed -n 's/.*event=open_files .* host_buffers=\([0-9]*\) (what the limit leaves)$/\1/p' "$LOG")
+[[ $auto =~ ^[0-9]+$ && $auto -gt 0 ]] || fail "max_host_buffers = 0 is not what the limit leaves: $(grep open_files "$LOG")"
+printf '[limits]\nmax_connections = 1000\nmax_host_buffers = 0\n' >"$DIR/nofile.conf"
+kill -HUP "$DPID"
+wait_log "event=config_reload_failed"
+grep -q 'event=config_reload_failed .*error="1000 connections need 9000 file descriptors .*lower --max-connections to at most [0-9]*, .*action=none' "$LOG" ||
+	fail "the failed reload does not say which limit to lower: $(grep config_reload_failed "$LOG")"
+grep -q "event=config_changed" "$LOG" && fail "a reload whose limits do not fit changed something"
+printf '[limits]\nmax_connections = 8\nmax_host_buffers = 0\n' >"$DIR/nofile.conf"
+kill -HUP "$DPID"
+wait_log "event=config_reloaded"
+grep -q "event=config_changed key=limits.max_connections old=16 new=8" "$LOG" ||
+	fail "a reload that fits did not apply"
+stop
+
+STEP="the open-file budget: the defaults fit the unit's LimitNOFILE"
+# Raising the limit to the unit's may be refused here (no CAP_SYS_RESOURCE):
+# start at this host's limit, check the daemon's sum as OPERATIONS.md
+# writes it, and apply the same sum to the unit's limit.
+unit_nofile=$(sed -n 's/^LimitNOFILE=//p' "$BB_SOURCE_DIR/systemd/bufbrokerd.service")
+[[ $unit_nofile =~ ^[0-9]+$ ]] || fail "no LimitNOFILE= in systemd/bufbrokerd.service"
+start unit --config "$BB_SOURCE_DIR/systemd/bufbrokerd.conf" --socket "$SOCK"
+line=$(grep "event=open_files " "$LOG") || fail "no open_files line"
+field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$line"; }
+own=$(field own) spare=$(field spare) pool=$(field pool) conns=$(field connections)
+per=$(field per_connection) host=$(field host_buffers) limit=$(field limit)
+[[ $conns == 1024 && $per == 9 && $pool == 64 && $spare == 256 ]] ||
+	fail "the defaults are not what OPERATIONS.md says: $line"
+((host == limit - own - spare - pool - conns * per)) ||
+	fail "host_buffers is not what the limit leaves, as OPERATIONS.md sums it: $line"
+stop
+unit_host=$((unit_nofile - own - spare - pool - conns * per))
+# More than one uid's --uid-buffers: one user cannot take every host buffer.
+((unit_host > 65536)) ||
+	fail "with LimitNOFILE=$unit_nofile the defaults leave $unit_host host buffers, want > 65536"
 
 # ---- SIGHUP -------------------------------------------------------------------------
 SOCK=$DIR/hup.sock

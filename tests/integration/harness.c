@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -355,6 +356,77 @@ long bbt_daemon_rss_kb(const bbt_daemon *d)
 			break;
 	fclose(f);
 	return kb;
+}
+
+long bbt_daemon_cpu_ms(const bbt_daemon *d)
+{
+	char path[64], buf[1024];
+	unsigned long long utime, stime;
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)d->pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	ssize_t n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return -1;
+	buf[n] = '\0';
+	/* The command name may hold anything: count fields after its ')'.
+	 * utime and stime are fields 14 and 15, the 12th and 13th after it. */
+	const char *p = strrchr(buf, ')');
+	if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
+			 &stime) != 2)
+		return -1;
+	return (long)((utime + stime) * 1000 / (unsigned long long)sysconf(_SC_CLK_TCK));
+}
+
+long bbt_daemon_squeeze_fds(const bbt_daemon *d, int room)
+{
+	enum { MAX_FD = 1 << 16 };
+	static unsigned char used[MAX_FD];
+	char dir[64];
+	struct rlimit rl;
+	memset(used, 0, sizeof(used));
+	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)d->pid);
+	DIR *dp = opendir(dir);
+	if (!dp || prlimit(d->pid, RLIMIT_NOFILE, NULL, &rl) < 0) {
+		if (dp)
+			closedir(dp);
+		return -1;
+	}
+	struct dirent *e;
+	while ((e = readdir(dp))) {
+		long fd = strtol(e->d_name, NULL, 10);
+		/* valgrind keeps its own fds at the top of the range: beyond. */
+		if (e->d_name[0] != '.' && fd >= 0 && fd < MAX_FD)
+			used[fd] = 1;
+	}
+	closedir(dp);
+	/* The limit is the number of the first free fd past room free ones. */
+	long limit = -1;
+	for (long fd = 0, free_fds = 0; fd < MAX_FD; fd++) {
+		if (used[fd])
+			continue;
+		if (free_fds++ == room) {
+			limit = fd;
+			break;
+		}
+	}
+	if (limit < 0 || (rlim_t)limit > rl.rlim_cur)
+		return -1;
+	struct rlimit low = {.rlim_cur = (rlim_t)limit, .rlim_max = rl.rlim_max};
+	if (prlimit(d->pid, RLIMIT_NOFILE, &low, NULL) < 0)
+		return -1;
+	return (long)rl.rlim_cur;
+}
+
+int bbt_daemon_set_nofile(const bbt_daemon *d, long soft)
+{
+	struct rlimit rl;
+	if (prlimit(d->pid, RLIMIT_NOFILE, NULL, &rl) < 0)
+		return -1;
+	rl.rlim_cur = (rlim_t)soft;
+	return prlimit(d->pid, RLIMIT_NOFILE, &rl, NULL);
 }
 
 static void remove_dir(const char *dir)

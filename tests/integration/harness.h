@@ -68,6 +68,16 @@ long long bbt_daemon_memfd_bytes(const bbt_daemon *d);
 int bbt_daemon_fds(const bbt_daemon *d);
 /* The daemon's resident memory in KiB (VmRSS in /proc/PID/status), or -1. */
 long bbt_daemon_rss_kb(const bbt_daemon *d);
+/* CPU time the daemon has used, user and system, in ms (from
+ * /proc/PID/stat: in clock ticks, 10 ms apart), or -1. */
+long bbt_daemon_cpu_ms(const bbt_daemon *d);
+/* Lower the daemon's soft open-file limit (prlimit) so that only room fd
+ * numbers below it are free: after room more open files, the next fails
+ * with EMFILE. Returns the soft limit it had (for bbt_daemon_set_nofile),
+ * or -1. */
+long bbt_daemon_squeeze_fds(const bbt_daemon *d, int room);
+/* Set the daemon's soft open-file limit to soft. 0 or -1. */
+int bbt_daemon_set_nofile(const bbt_daemon *d, long soft);
 /* Kill any daemon still running and remove the temporary directories.
  * Use as every suite's .fini. */
 void bbt_cleanup(void);

@@ -86,6 +86,21 @@ for name in connections buffers buffer_bytes tokens parked_waits uid_buffers uid
 	grep -q "^# TYPE bufbroker_$name \(gauge\|counter\|histogram\)$" <<<"$SCRAPE" ||
 		fail "no TYPE line for bufbroker_$name"
 done
+# The process's fds, as Prometheus's client libraries name them: the limit
+# is the daemon's soft RLIMIT_NOFILE; the open fds are counted while the
+# scrape's own connection is open (1 or 2 more than now, as the endpoint
+# may still hold it).
+for name in process_open_fds process_max_fds; do
+	grep -q "^# HELP $name " <<<"$SCRAPE" || fail "no HELP line for $name"
+	grep -q "^# TYPE $name gauge$" <<<"$SCRAPE" || fail "no TYPE line for $name"
+done
+expect 'process_max_fds' "$(awk '/^Max open files/ { print $4 }' "/proc/$DPID/limits")"
+open_fds=$(value process_open_fds)
+now_fds=$(find "/proc/$DPID/fd" -mindepth 1 -maxdepth 1 | wc -l)
+[[ $open_fds =~ ^[0-9]+$ ]] && ((open_fds >= now_fds && open_fds <= now_fds + 2)) ||
+	fail "process_open_fds is $open_fds; the daemon has $now_fds open after the scrape"
+expect 'bufbroker_refused_total{limit="host_buffers"}' 0
+expect 'bufbroker_refused_total{limit="open_files"}' 0
 awk '/^# TYPE / { t[$3] = $4; next } /^#/ { next }
      { n = $1; sub(/\{.*/, "", n); b = n; sub(/_(bucket|sum|count)$/, "", b)
        if (!(n in t) && !((b in t) && t[b] == "histogram")) { print n; bad = 1 } }

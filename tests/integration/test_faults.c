@@ -9,7 +9,9 @@
 #define _GNU_SOURCE
 #endif
 #include <criterion/criterion.h>
+#include <dlfcn.h>
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -17,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -779,4 +782,142 @@ Test(faults, sigterm_with_live_clients_and_buffers_exits_zero)
 	bb_unref(failed);
 	bb_disconnect(c);
 	bb_disconnect(c2);
+}
+
+/* ---- the daemon out of file descriptors ---------------------------------- */
+
+#define FDS_ROOM 16         /* fds the squeezed daemon has left */
+#define SPIN_WINDOW_MS 1000 /* the daemon's CPU time is measured over this */
+#define REFUSED_ATTEMPTS 20 /* connections refused one after the other */
+#define OUT_OF_FDS "the daemon is out of file descriptors"
+
+static bool g_hold_connect; /* connect returns once the daemon closed the connection */
+
+/* Every connect of this program (the client library's, the harness's)
+ * comes here. With g_hold_connect set, it returns only once the daemon has
+ * closed the new connection, so the client's first request meets a socket
+ * the daemon already answered and closed (EPIPE), as it does whenever the
+ * daemon refuses a connection before the client sends its Hello. */
+int connect(int fd, const struct sockaddr *sa, socklen_t len)
+{
+	static int (*real)(int, const struct sockaddr *, socklen_t);
+	if (!real)
+		real = (int (*)(int, const struct sockaddr *, socklen_t))dlsym(RTLD_NEXT,
+									       "connect");
+	int rc = real(fd, sa, len);
+	if (rc == 0 && g_hold_connect) {
+		struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+		poll(&p, 1, bbt_ms(5000));
+	}
+	return rc;
+}
+
+/* The answer the daemon gives a connection it has no fd for, and its close:
+ * 0, or a step number when it is not that. */
+static int out_of_fds_refusal(int sock)
+{
+	Bufbroker__Response *r = NULL;
+	if (bbt_raw_recv(sock, 5000, &r, NULL) != 1)
+		return 1;
+	int bad = r->id != 0 || !r->status || r->status->code != BB_ERR_NO_MEMORY ||
+		  !strstr(r->status->message, OUT_OF_FDS);
+	if (bad)
+		fprintf(stderr, "the refusal: id %llu, code %d, \"%s\"\n",
+			(unsigned long long)r->id, r->status ? r->status->code : 0,
+			r->status ? r->status->message : "");
+	bufbroker__response__free_unpacked(r, NULL);
+	if (bad)
+		return 2;
+	return bbt_raw_closed(sock, 5000) ? 0 : 3;
+}
+
+Test(faults, out_of_fds_refuses_new_connections_without_spinning_and_serves_the_rest)
+{
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	bb_buf *kept = alloc_host(c, 4096, NULL);
+	bb_buf *fill[FDS_ROOM + 8];
+	int n = 0, rc;
+
+	/* The daemon's fds run out: host buffers fill what is left. */
+	long soft = bbt_daemon_squeeze_fds(d, FDS_ROOM);
+	cr_assert_gt(soft, 0, "prlimit on the daemon: %s", strerror(errno));
+	for (;;) {
+		bb_alloc_opts o = {.size = 4096, .kind = BB_HOST};
+		cr_assert_lt(n, FDS_ROOM + 8, "the daemon never ran out of file descriptors");
+		if ((rc = bb_alloc(c, &o, &fill[n])) != 0)
+			break;
+		n++;
+	}
+	cr_assert_eq(rc, BB_ERR_NO_MEMORY, "the alloc past the fds: %d (%s)", rc, bb_last_error());
+	cr_assert(strstr(bb_last_error(), "Too many open files"),
+		  "the alloc past the fds says \"%s\"", bb_last_error());
+
+	/* A new connection: before the fix the listener fired in a tight
+	 * loop while it waited, never accepted. */
+	size_t log0 = bbt_log_size(d);
+	long cpu0 = bbt_daemon_cpu_ms(d);
+	int64_t t0 = bbt_now_ms();
+	int r = bbt_raw_connect(d->sock);
+	cr_assert_geq(r, 0, "connect: %s", strerror(-r));
+	bbt_sleep_ms(SPIN_WINDOW_MS); /* a window to measure, not a wait for something */
+	long cpu = bbt_daemon_cpu_ms(d) - cpu0;
+	int64_t wall = bbt_now_ms() - t0;
+	cr_assert_geq(cpu0, 0);
+	cr_assert_lt(cpu, wall / 4,
+		     "the daemon used %ld ms of CPU in %lld ms with a connection it had no fd for",
+		     cpu, (long long)wall);
+	cr_assert_eq(out_of_fds_refusal(r), 0, "the connection was not refused with the reason");
+	close(r);
+
+	/* bb_connect says why too, even when the refusal comes before it
+	 * sent its Hello. */
+	bb_client *x = NULL;
+	g_hold_connect = true;
+	rc = bb_connect(d->sock, &x);
+	g_hold_connect = false;
+	cr_assert_eq(rc, BB_ERR_DISCONNECTED, "bb_connect with the daemon out of fds: %d", rc);
+	cr_assert(strstr(bb_last_error(), OUT_OF_FDS), "bb_connect says \"%s\"", bb_last_error());
+
+	/* Every attempt is answered, and the log does not grow per attempt. */
+	for (int i = 0; i < REFUSED_ATTEMPTS; i++) {
+		r = bbt_raw_connect(d->sock);
+		cr_assert_geq(r, 0, "connect %d: %s", i, strerror(-r));
+		cr_assert_eq(out_of_fds_refusal(r), 0, "attempt %d was not refused with the reason",
+			     i);
+		close(r);
+	}
+	size_t grown = bbt_log_size(d) - log0;
+	cr_assert_lt(grown, 1024, "the log grew by %zu bytes for %d refused connections", grown,
+		     REFUSED_ATTEMPTS + 2);
+
+	/* The client that is connected is served meanwhile. */
+	uint64_t id = bb_id(kept);
+	cr_assert_eq(bb_retain(c, id, 2), 0, "retain: %s", bb_last_error());
+	cr_assert_eq(bbt_refs(c, id), 3);
+	cr_assert_eq(bb_release(c, id, 2), 0, "release: %s", bb_last_error());
+	bbt_totals t;
+	cr_assert_eq(bbt_server_totals(c, &t), 0);
+	cr_assert_eq(t.connections, 1);
+	cr_assert_eq(t.host_buffers, (uint64_t)n + 1);
+
+	/* Freed fds let the next client in (the memfd pool keeps a few). */
+	for (int i = 0; i < n; i++)
+		bb_unref(fill[i]);
+	/* Requests are answered in order: the releases were done before this. */
+	cr_assert_eq(bbt_server_totals(c, &t), 0);
+	cr_assert_eq(t.host_buffers, 1);
+	rc = bb_connect(d->sock, &x);
+	cr_assert_eq(rc, 0, "bb_connect once fds were freed: %s", bb_last_error());
+	bb_buf *after = alloc_host(x, 4096, NULL);
+	const char *const resumed[] = {"event=accept_resumed", NULL};
+	cr_assert(bbt_log_wait_line(d, log0, 5000, resumed), "no accept_resumed line");
+
+	cr_assert_eq(bbt_daemon_set_nofile(d, soft), 0);
+	bb_unref(after);
+	bb_disconnect(x);
+	bb_unref(kept);
+	cr_assert_eq(bbt_check_problems(c), 0);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
 }

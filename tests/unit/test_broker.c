@@ -1649,6 +1649,7 @@ Test(broker, limits_default_are_bounded)
 	cr_assert_gt(l.uid_bytes[BB_HOST], 0);
 	cr_assert_neq(l.uid_bytes[BB_HOST], UINT64_MAX);
 	cr_assert_eq(l.uid_buffers, 65536);
+	cr_assert_eq(l.host_buffers, 65536);
 	cr_assert_eq(l.connections, 1024);
 	cr_assert_eq(l.conn_tokens, 4096);
 	cr_assert_eq(l.conn_waits, 1024);
@@ -1690,6 +1691,39 @@ Test(broker, uid_buffer_limit_refuses_with_numbers)
 	/* Freeing one makes room. */
 	cr_assert_eq(broker_release(b, a, id1, 1, NULL, NULL, &err), 0, "%s", err.msg);
 	alloc_buf(a, 16);
+}
+
+static void limit_host_buffers(broker_limits *l)
+{
+	l->host_buffers = 3;
+}
+
+Test(broker, host_buffer_limit_counts_every_uid_and_no_cuda_buffer)
+{
+	broker_set_backend(b, BB_CUDA, &cuda.be, NULL);
+	set_limits(limit_host_buffers);
+	broker_conn *a = conn(UID_A, GID_A);
+	broker_conn *c = conn(UID_B, GID_B);
+	uint64_t id1 = alloc_buf(a, 16);
+	alloc_buf(a, 16);
+	alloc_buf(c, 16); /* every uid's host buffers count */
+	broker_alloc_req r = req_of(16, NULL, BB_SHARE_UID);
+	broker_buf *buf;
+	cr_assert_eq(broker_alloc(b, c, &r, &buf, &err), BB_ERR_NO_MEMORY);
+	cr_assert_str_eq(
+		err.msg,
+		"the daemon would hold 4 host buffers; the limit is 3 (--max-host-buffers)");
+	cr_assert_eq(host.allocs, 3, "the backend was asked despite the limit");
+	broker_totals t;
+	broker_totals_get(b, &t);
+	cr_assert_eq(t.refused[BROKER_LIMIT_HOST_BUFFERS], 1);
+	cr_assert_eq(t.refused[BROKER_LIMIT_UID_BUFFERS], 0);
+	/* A CUDA buffer holds no fd of the daemon's: not counted. */
+	r.kind = BB_CUDA;
+	cr_assert_eq(broker_alloc(b, c, &r, &buf, &err), 0, "%s", err.msg);
+	/* Freeing a host buffer makes room. */
+	cr_assert_eq(broker_release(b, a, id1, 1, NULL, NULL, &err), 0, "%s", err.msg);
+	alloc_buf(c, 16);
 }
 
 static void limit_host_bytes(broker_limits *l)

@@ -126,6 +126,7 @@ Test(broker_metrics, limit_names_match_the_limits_fields)
 	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_UID_BYTES), "uid_bytes");
 	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_CONN_TOKENS), "conn_tokens");
 	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_CONN_WAITS), "conn_waits");
+	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_HOST_BUFFERS), "host_buffers");
 	cr_assert_null(broker_limit_name(BROKER_LIMIT_COUNT));
 }
 
