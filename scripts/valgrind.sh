@@ -113,7 +113,7 @@ for t in $tests; do
 	elif [ "$rc" -ne 0 ] || [ -n "$bad" ]; then
 		failed=1
 		echo "---- integ_test_$t: FAIL (exit $rc, ${secs}s)"
-		grep -E '^\[(FAIL|----)\]|Synthesis' "$logs/$t.out" | tail -n 40
+		grep -E '^\[(FAIL|----)\]|^(FAIL|SKIP): |Synthesis' "$logs/$t.out" | tail -n 40
 		for f in $bad; do
 			echo "---- $f"
 			grep -E '^==[0-9]+== (Command:|Parent PID:)' "$f"
