@@ -62,6 +62,7 @@ BB_SKIPPED=0
 # never PASS; under CI (bb_ci) nothing may skip, so FAIL. Anything else:
 # FAIL. The details go in parentheses ("see above" and "see the SKIP line
 # above" unless given). Sets BB_FAILED=1 or BB_SKIPPED=1 accordingly.
+# shellcheck disable=SC2034 # scripts/test.sh reads what it sets
 bb_step()
 {
 	local label="$1" rc="$2" fail_detail="${3:-see above}"

@@ -12,6 +12,7 @@
 #    skip SKIP, never PASS, and under CI a FAIL.
 #
 # ctest sets BB_BUILD_DIR (skip_probe is built there) and BB_SOURCE_DIR.
+# shellcheck disable=SC2016 # the bash -c scripts expand their own "$1"
 set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
