@@ -51,6 +51,49 @@ bb_ci()
 	esac
 }
 
+# The summary scripts/test.sh prints, one line per step (bb_step), and
+# whether a step failed or skipped.
+BB_SUMMARY=()
+BB_FAILED=0
+BB_SKIPPED=0
+
+# bb_step LABEL RC [FAIL_DETAIL [SKIP_DETAIL]]: the summary line of a step
+# that exited RC. 0: PASS. 77 (the step printed why on a SKIP line): SKIP,
+# never PASS; under CI (bb_ci) nothing may skip, so FAIL. Anything else:
+# FAIL. The details go in parentheses ("see above" and "see the SKIP line
+# above" unless given). Sets BB_FAILED=1 or BB_SKIPPED=1 accordingly.
+# shellcheck disable=SC2034 # scripts/test.sh reads what it sets
+bb_step()
+{
+	local label="$1" rc="$2" fail_detail="${3:-see above}"
+	local skip_detail="${4:-see the SKIP line above}"
+
+	case "$rc" in
+	0) BB_SUMMARY+=("$label: PASS") ;;
+	77)
+		if bb_ci; then
+			BB_SUMMARY+=("$label: FAIL (skipped: $skip_detail; CI=$CI allows no skip)")
+			BB_FAILED=1
+		else
+			BB_SUMMARY+=("$label: SKIP ($skip_detail)")
+			BB_SKIPPED=1
+		fi
+		;;
+	*)
+		BB_SUMMARY+=("$label: FAIL ($fail_detail)")
+		BB_FAILED=1
+		;;
+	esac
+}
+
+# bb_ctest_skipped OUTPUT: the names of the tests that ctest reported as
+# Skipped (SKIP_RETURN_CODE) in OUTPUT, a file holding what it printed, one
+# a line; nothing when none skipped.
+bb_ctest_skipped()
+{
+	sed -n '/^The following tests did not run:/,/^$/ s/^[[:space:]]*[0-9][0-9]* - \(.*\) (Skipped)$/\1/p' "$1"
+}
+
 # Prints the packages of BB_PACKAGES that are not installed, one a line.
 bb_missing_packages()
 {

@@ -7,6 +7,7 @@ Where things are found (ctest sets the variables; see tests/integration/python.s
   $BB_BUILD_DIR                 else <repository>/build
 """
 
+import json
 import os
 import shutil
 import signal
@@ -40,6 +41,47 @@ def executable(env_var, name):
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         pytest.fail(f"{name} not found: set ${env_var} or $BB_BUILD_DIR (tried {path})")
     return path
+
+
+def slow():
+    """How much slower than usual this run is: $BBT_SLOW, a whole factor, as
+    tests/integration/harness.h reads it (1 when unset or not a number from
+    1 to 1000). A test's own bounds on how long something may take are
+    multiplied by it; a delay the daemon must honour never is."""
+    try:
+        factor = int(os.environ.get("BBT_SLOW", "1"))
+    except ValueError:
+        return 1
+    return factor if 1 <= factor <= 1000 else 1
+
+
+def parked_waits(daemon):
+    """The waits parked in the daemon (ServerStatus.waits, all connections),
+    asked through the CLI ($BUFBROKER_CLI, else BUILD_DIR/bufbroker)."""
+    cli = executable("BUFBROKER_CLI", "bufbroker")
+    out = subprocess.run(
+        [cli, "--socket", daemon.socket, "--json", "status"],
+        capture_output=True,
+        text=True,
+        timeout=10 * slow(),
+    )
+    if out.returncode != 0:
+        pytest.fail(f"bufbroker status exited {out.returncode}: {out.stderr}")
+    return json.loads(out.stdout)["waits"]
+
+
+def wait_until_parked(daemon, want, timeout=5):
+    """Return once the daemon has exactly want parked waits; fail the test
+    when it has not after timeout seconds (times slow()). How a test knows
+    that a wait in another thread is parked, rather than sleeping."""
+    deadline = time.monotonic() + timeout * slow()
+    while True:
+        have = parked_waits(daemon)
+        if have == want:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the daemon has {have} parked waits after {timeout * slow()} s, want {want}")
+        time.sleep(0.005)
 
 
 def child_env(**extra):

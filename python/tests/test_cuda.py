@@ -19,7 +19,9 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def cuda_client(start_daemon, monkeypatch):
     """A client of a daemon that uses the fake (or real) driver; this
-    process loads the same driver on its first CUDA bb_map."""
+    process loads the same driver on its first CUDA bb_map. A daemon that
+    answers Unsupported fails the test: the driver was set up for it, so
+    no CUDA there is a regression, not a reason to skip."""
     env = {}
     if FAKE and not REAL:
         if not os.path.isfile(FAKE):
@@ -31,7 +33,8 @@ def cuda_client(start_daemon, monkeypatch):
         try:
             c.alloc(256, kind="cuda").close()
         except bufbroker.Unsupported as e:
-            pytest.skip(f"this bufbrokerd makes no CUDA buffers: {e.message}")
+            driver = "the real driver ($BB_REAL_CUDA=1)" if REAL else f"the fake driver {FAKE}"
+            pytest.fail(f"the daemon was given {driver} but makes no CUDA buffers: {e.message}\n{d.log()}")
         yield c
 
 

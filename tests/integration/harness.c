@@ -652,6 +652,22 @@ int bbt_check_problems(bb_client *c)
 	return rc;
 }
 
+bool bbt_waits_until(bb_client *c, uint64_t want, int timeout_ms, uint64_t *last)
+{
+	int64_t deadline = bbt_now_ms() + bbt_ms(timeout_ms);
+	bbt_totals t;
+	for (;;) {
+		int rc = bbt_server_totals(c, &t);
+		if (last)
+			*last = rc == 0 ? t.waits : UINT64_MAX;
+		if (rc == 0 && t.waits == want)
+			return true;
+		if (bbt_now_ms() >= deadline)
+			return false;
+		bbt_sleep_ms(5);
+	}
+}
+
 bool bbt_totals_until_idle(bb_client *c, uint32_t conns, int timeout_ms, bbt_totals *last)
 {
 	int64_t deadline = bbt_now_ms() + bbt_ms(timeout_ms);

@@ -152,6 +152,12 @@ int bbt_server_totals(bb_client *c, bbt_totals *out);
  * problems it found, each of its sentences printed to stderr after
  * "check: ", or the negative bbc_call / Status error. */
 int bbt_check_problems(bb_client *c);
+/* Poll ServerStatus until the daemon has exactly want parked waits (all
+ * connections together) or timeout_ms passed: true when reached, *last (may
+ * be NULL) gets the last count seen (UINT64_MAX when ServerStatus failed).
+ * How a test knows that a bb_wait in another thread or process is parked,
+ * rather than sleeping and hoping. */
+bool bbt_waits_until(bb_client *c, uint64_t want, int timeout_ms, uint64_t *last);
 /* Poll ServerStatus until buffers, tokens and waits are all 0 and
  * connections == conns; returns true when reached, *last gets the last
  * answer. */

@@ -51,6 +51,49 @@ fail() {
 	exit 1
 }
 
+# ci: true under continuous integration (CI=true, 1 or yes, as
+# scripts/lib.sh's bb_ci reads it), where no test may skip.
+ci() {
+	case "${CI:-}" in
+	[Tt][Rr][Uu][Ee] | 1 | [Yy][Ee][Ss]) return 0 ;;
+	*) return 1 ;;
+	esac
+}
+
+# skip REASON...: this test cannot run here. "SKIP: REASON" and exit 77,
+# which ctest reports as Skipped (SKIP_RETURN_CODE in CMakeLists.txt), never
+# as Passed; under CI, fail instead.
+skip() {
+	ci && fail "it would skip ($*), and CI=$CI allows no skip"
+	echo "SKIP: $*"
+	exit 77
+}
+
+# skip_part REASON...: one part of this test cannot run here: say so
+# ("SKIP (part): REASON") and carry on; finish then exits 77. Under CI,
+# fail instead.
+SKIPPED_PARTS=()
+skip_part() {
+	ci && fail "it would skip a part ($*), and CI=$CI allows no skip"
+	echo "SKIP (part): $*"
+	SKIPPED_PARTS+=("$*")
+}
+
+# finish NAME: the test's last words. "NAME: all checks passed", or, when
+# skip_part skipped something, each such part on a "SKIP:" line and exit 77.
+finish() {
+	local part
+	if [[ ${#SKIPPED_PARTS[@]} -eq 0 ]]; then
+		echo "$1: all checks passed"
+		return 0
+	fi
+	for part in "${SKIPPED_PARTS[@]}"; do
+		echo "SKIP: $part"
+	done
+	echo "$1: the other checks passed, but ${#SKIPPED_PARTS[@]} part(s) did not run"
+	exit 77
+}
+
 # need_vars TEST WHAT VAR...: each VAR is set and its value passes
 # `test TEST` (-x, -e, -d ...), else fail "$VAR must name WHAT (ctest sets it)".
 need_vars() {

@@ -43,6 +43,7 @@ struct ctx {
 	uint32_t seed;
 	size_t mark_off; /* where a child writes its marker */
 	int mode;
+	uint64_t waits; /* parked waits a child waits to see (killed_producer_child) */
 	bbt_chan ch;
 };
 
@@ -836,8 +837,13 @@ Test(api, wait_on_pending_buffer_times_out)
 	int64_t t0 = bbt_now_ms();
 	cr_assert_eq(bb_wait(b, 150, &st), BB_ERR_TIMEOUT);
 	int64_t took = bbt_now_ms() - t0;
-	cr_assert_geq(took, 100, "a 150 ms wait returned after %lld ms", (long long)took);
-	cr_assert_lt(took, 2000, "a 150 ms wait returned after %lld ms", (long long)took);
+	/* The daemon's timer: not early (a few ms of clock rounding aside), and
+	 * late by no more than a round trip and scheduling can explain, so
+	 * that a timer firing 3x late already fails. The slack scales with
+	 * the run's slowness (BBT_SLOW), the bound does not widen. */
+	cr_assert_geq(took, 145, "a 150 ms wait returned after %lld ms", (long long)took);
+	cr_assert_lt(took, 150 + bbt_ms(250), "a 150 ms wait returned after %lld ms",
+		     (long long)took);
 
 	t0 = bbt_now_ms();
 	cr_assert_eq(bb_wait(b, 0, &st), BB_ERR_TIMEOUT, "a poll of a PENDING buffer");
@@ -890,16 +896,16 @@ Test(api, waiter_in_another_process_wakes_when_producer_sets_ready)
 	pid_t pid = bbt_spawn(waiter_child, &x);
 	cr_assert_eq(bbt_recv(x.ch.fd[0], &r, 1, CHILD_TIMEOUT_MS), 0,
 		     "waiter did not start (exit %d)", bbt_join(pid, 0));
-	bbt_sleep_ms(200); /* let it park */
-	bbt_totals t;
-	cr_assert_eq(bbt_server_totals(c, &t), 0);
-	cr_assert_eq(t.waits, 1, "the other process's wait is parked");
+	uint64_t waits;
+	cr_assert(bbt_waits_until(c, 1, CHILD_TIMEOUT_MS, &waits),
+		  "the other process's wait never parked (%llu parked waits)",
+		  (unsigned long long)waits);
 	bbt_fill(map_of(b), x.size, x.seed);
 	int64_t t0 = bbt_now_ms();
 	cr_assert_eq(bb_set_ready(b), 0);
 	int code = bbt_join(pid, 3000);
 	cr_assert_eq(code, 0, "waiter failed at step %d", code);
-	cr_assert_lt(bbt_now_ms() - t0, 2000, "the waiter woke late");
+	cr_assert_lt(bbt_now_ms() - t0, bbt_ms(2000), "the waiter woke late");
 	bbt_chan_close(&x.ch);
 	bb_unref(b);
 	bb_disconnect(c);
@@ -967,7 +973,8 @@ Test(api, producer_exit_before_ready_fails_the_buffer)
 	bbt_stop_clean(d);
 }
 
-/* Allocates, reports the id, and on "go" dies of SIGKILL. */
+/* Allocates, reports the id, and on "go" dies of SIGKILL as soon as the
+ * daemon shows x->waits parked waits (those on its buffer). */
 static int killed_producer_child(void *arg)
 {
 	struct ctx *x = arg;
@@ -986,9 +993,10 @@ static int killed_producer_child(void *arg)
 		return 12;
 	if (bbt_recv(x->ch.fd[1], &go, 1, CHILD_TIMEOUT_MS) != 0)
 		return 13;
-	bbt_sleep_ms(200); /* the parent is parked in bb_wait by now */
+	if (!bbt_waits_until(c, x->waits, CHILD_TIMEOUT_MS, NULL))
+		return 14;
 	kill(getpid(), SIGKILL);
-	return 14;
+	return 15;
 }
 
 /* Waits forever on a buffer opened by id; 0 when it woke FAILED. */
@@ -1021,7 +1029,9 @@ Test(api, producer_killed_while_waited_on_fails_the_buffer)
 {
 	bbt_daemon *d = bbt_start(NULL);
 	bb_client *c = bbt_connect(d);
-	struct ctx px = {.sock = d->sock}, wx = {.sock = d->sock};
+	/* The producer dies once both waits on its buffer are parked: the
+	 * other process's and this one's. */
+	struct ctx px = {.sock = d->sock, .waits = 2}, wx = {.sock = d->sock};
 	bb_buf *b = NULL;
 	bb_state st = BB_PENDING;
 	char r;
@@ -1596,7 +1606,10 @@ Test(api, one_client_serves_many_threads_while_one_waits_forever)
 	waiter.waited = waited;
 	atomic_store(&waiter.waiter_done, false);
 	cr_assert_eq(pthread_create(&wth, NULL, mt_waiter, &waiter), 0);
-	bbt_sleep_ms(100);
+	uint64_t waits;
+	cr_assert(bbt_waits_until(c, 1, CHILD_TIMEOUT_MS, &waits),
+		  "the waiting thread's bb_wait(-1) never parked (%llu parked waits)",
+		  (unsigned long long)waits);
 	for (int i = 0; i < WORKERS; i++) {
 		w[i] = (struct mt){.c = c, .shared = shared, .index = i, .failures = &failures};
 		cr_assert_eq(pthread_create(&th[i], NULL, mt_worker, &w[i]), 0);

@@ -26,7 +26,7 @@
 #include "harness.h"
 
 #define CHILD_TIMEOUT_MS 8000
-#define PROMPT_MS 1000 /* "promptly": each call after the daemon died */
+#define PROMPT_MS 1000 /* "promptly": each call after the daemon died (times bbt_slow) */
 
 TestSuite(faults, .fini = bbt_cleanup, .timeout = 40);
 
@@ -283,8 +283,8 @@ static void *wait_forever(void *arg)
 		int64_t took_ = bbt_now_ms() - t0_;                                               \
 		cr_assert_eq(rc_, BB_ERR_DISCONNECTED, "%s after the daemon died: %d (%s)", what, \
 			     rc_, bb_last_error());                                               \
-		cr_assert_lt(took_, PROMPT_MS, "%s took %lld ms after the daemon died", what,     \
-			     (long long)took_);                                                   \
+		cr_assert_lt(took_, bbt_ms(PROMPT_MS), "%s took %lld ms after the daemon died",   \
+			     what, (long long)took_);                                             \
 	} while (0)
 
 Test(faults, every_call_answers_disconnected_promptly_after_daemon_death)
@@ -296,7 +296,6 @@ Test(faults, every_call_answers_disconnected_promptly_after_daemon_death)
 	bb_token tok;
 	bb_info info;
 	bb_state st;
-	bbt_totals t;
 
 	bb_buf *b = alloc_host(c, 65536, "bbt-survivor");
 	void *m = NULL;
@@ -309,18 +308,15 @@ Test(faults, every_call_answers_disconnected_promptly_after_daemon_death)
 	struct parked pk = {.b = pend};
 	pthread_t th;
 	cr_assert_eq(pthread_create(&th, NULL, wait_forever, &pk), 0);
-	int64_t deadline = bbt_now_ms() + 2000;
-	do {
-		bbt_sleep_ms(20);
-		cr_assert_eq(bbt_server_totals(c, &t), 0);
-	} while (t.waits != 1 && bbt_now_ms() < deadline);
-	cr_assert_eq(t.waits, 1, "the wait never parked");
+	uint64_t waits;
+	cr_assert(bbt_waits_until(c, 1, 2000, &waits), "the wait never parked (%llu parked waits)",
+		  (unsigned long long)waits);
 
 	int64_t killed = bbt_now_ms();
 	bbt_kill(d);
-	join_thread_within(th, 5, "bb_wait(-1) parked when the daemon died");
+	join_thread_within(th, bbt_ms(5000) / 1000, "bb_wait(-1) parked when the daemon died");
 	cr_assert_eq(pk.rc, BB_ERR_DISCONNECTED, "the parked bb_wait(-1) answered %d", pk.rc);
-	cr_assert_lt(pk.done_ms - killed, PROMPT_MS, "the parked bb_wait(-1) took %lld ms",
+	cr_assert_lt(pk.done_ms - killed, bbt_ms(PROMPT_MS), "the parked bb_wait(-1) took %lld ms",
 		     (long long)(pk.done_ms - killed));
 
 	bb_alloc_opts o = {.size = 4096, .kind = BB_HOST};
@@ -347,7 +343,8 @@ Test(faults, every_call_answers_disconnected_promptly_after_daemon_death)
 	TIMED("bb_take", (take_rc = bb_take(extra, &tok)));
 	if (take_rc != 0)
 		bb_unref(extra); /* a failed take leaves the count with the caller */
-	cr_assert_lt(bbt_now_ms() - all0, 3 * PROMPT_MS, "all calls together took too long");
+	cr_assert_lt(bbt_now_ms() - all0, bbt_ms(3 * PROMPT_MS),
+		     "all calls together took too long");
 	close(fd);
 
 	/* The mapping outlives the daemon. */
@@ -357,7 +354,7 @@ Test(faults, every_call_answers_disconnected_promptly_after_daemon_death)
 	int64_t t0 = bbt_now_ms();
 	bb_unref(pend); /* last count: a fire-and-forget Release into a dead socket */
 	bb_unref(b);
-	cr_assert_lt(bbt_now_ms() - t0, PROMPT_MS, "the last bb_unref hung");
+	cr_assert_lt(bbt_now_ms() - t0, bbt_ms(PROMPT_MS), "the last bb_unref hung");
 
 	bb_client *c2 = NULL;
 	TIMED("bb_connect to the dead daemon's socket", bb_connect(d->sock, &c2));
@@ -765,7 +762,9 @@ Test(faults, sigterm_with_live_clients_and_buffers_exits_zero)
 	pid_t pid = bbt_spawn(stopped_waiter_child, &x);
 	cr_assert_eq(bbt_recv(x.ch.fd[0], &r, 1, CHILD_TIMEOUT_MS), 0, "the waiter exited %d",
 		     bbt_join(pid, 0));
-	bbt_sleep_ms(100);
+	uint64_t waits;
+	cr_assert(bbt_waits_until(c, 1, CHILD_TIMEOUT_MS, &waits),
+		  "the waiter's wait never parked (%llu parked waits)", (unsigned long long)waits);
 
 	bbt_stop_clean(d);
 	int code = bbt_join(pid, 3000);

@@ -1121,7 +1121,11 @@ struct squat_ctx {
 
 /* Uid A, on no list, opens x->conns raw connections and says nothing;
  * reports how many the daemon refused at once; on "h" sends Hello on the
- * first and expects the refusal with its id, then the close. */
+ * first and expects the refusal with its id, then the close. One more
+ * connection after them says when to count: the daemon accepts in order and
+ * answers a refusal at once, and with 64 waiting the last one is refused at
+ * once, so its answer means every one before it was accepted and answered
+ * if it was to be. */
 static int squatter_child(void *arg)
 {
 	struct squat_ctx *x = arg;
@@ -1134,7 +1138,14 @@ static int squatter_child(void *arg)
 		if ((socks[i] = bbt_raw_connect(x->sock)) < 0)
 			return 10;
 	x->early = 0;
-	bbt_sleep_ms(300); /* for the daemon to accept them all */
+	int last = bbt_raw_connect(x->sock);
+	if (last < 0)
+		return 19;
+	uint64_t lid;
+	int lcode;
+	if (raw_answer(last, bbt_ms(5000), &lid, &lcode, NULL, 0) != 1 || lcode != BB_ERR_DENIED)
+		return 20;
+	close(last);
 	for (int i = 0; i < x->conns; i++) {
 		uint64_t id;
 		int code;
@@ -1145,7 +1156,7 @@ static int squatter_child(void *arg)
 		if (rc != 1 || id != 0 || code != BB_ERR_DENIED ||
 		    !strstr(msg, "uid 65534 is not allowed to use this daemon"))
 			return 11;
-		if (!bbt_raw_closed(socks[i], 2000))
+		if (!bbt_raw_closed(socks[i], bbt_ms(2000)))
 			return 12;
 		x->early++;
 	}

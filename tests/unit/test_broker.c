@@ -1495,16 +1495,46 @@ Test(broker, share_any_admits_every_uid)
 	broker_wait_cancel(b, &w.w);
 }
 
+/* Holding a reference is permission enough under every share policy: a
+ * connection of another uid and another gid, refused while it holds
+ * nothing (but by BB_SHARE_ANY), adopts a token and then stats, opens,
+ * retains, waits on, sets ready and releases the buffer. */
 Test(broker, holder_is_admitted_whatever_the_policy)
 {
+	static const int policies[] = {BB_SHARE_UID, BB_SHARE_GID, BB_SHARE_ANY};
 	broker_conn *a = conn(UID_A, GID_A);
-	uint64_t id = alloc_named(a, 16, NULL, BB_SHARE_UID);
-	/* The owner's own uid is admitted; a holder of another uid is covered
-	 * by token_admits_a_different_uid. */
-	test_waiter w;
-	park(a, id, &w);
-	broker_wait_cancel(b, &w.w);
-	cr_assert_eq(refs_of(a, id), 1);
+	broker_conn *c = conn(UID_B, GID_B);
+
+	for (size_t i = 0; i < sizeof(policies) / sizeof(policies[0]); i++) {
+		int share = policies[i];
+		uint64_t id = alloc_named(a, 16, NULL, share);
+		unsigned char tok[BB_TOKEN_SIZE];
+		broker_buf *buf = NULL;
+		broker_info info;
+		test_waiter w;
+
+		cr_assert_eq(broker_stat_id(b, c, id, &info, &err),
+			     share == BB_SHARE_ANY ? 0 : BB_ERR_DENIED, "share %d, holding nothing",
+			     share);
+		/* The owner's only count moves to c: c is the one holder. */
+		cr_assert_eq(broker_take(b, a, id, false, tok, &err), 0, "%s", err.msg);
+		cr_assert_eq(broker_adopt(b, c, tok, &buf, &err), 0, "%s", err.msg);
+		cr_assert_eq(stat_of(c, id).held, 1, "share %d", share);
+		cr_assert_eq(broker_open_id(b, c, id, &buf, &err), 0, "share %d: open: %s", share,
+			     err.msg);
+		cr_assert_eq(broker_retain(b, c, id, 1, NULL, NULL, &err), 0,
+			     "share %d: retain: %s", share, err.msg);
+		cr_assert_eq(stat_of(c, id).held, 3, "share %d", share);
+		park(c, id, &w);
+		cr_assert_eq(broker_set_ready(b, c, id, &err), 0, "share %d: set_ready: %s", share,
+			     err.msg);
+		cr_assert_eq(w.calls, 1, "share %d: the holder's wait woke", share);
+		cr_assert_eq(w.state, BB_READY);
+		cr_assert_eq(broker_release(b, c, id, 3, NULL, NULL, &err), 0,
+			     "share %d: release: %s", share, err.msg);
+		cr_assert_eq(broker_stat_id(b, a, id, &info, &err), BB_ERR_NOT_FOUND,
+			     "share %d: the holder's last release frees it", share);
+	}
 }
 
 static int collect_ids(const broker_info *info, void *arg)

@@ -4,6 +4,8 @@
  * (broker_uid_usage). A heap backend stands in for memory.
  */
 #include <criterion/criterion.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,6 +72,7 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 	l.uid_buffers = 2;
 	l.uid_bytes[BB_HOST] = 1000;
 	l.conn_tokens = 1;
+	l.uid_tokens = 1;
 	l.conn_waits = 1;
 	broker *b = new_broker(&l);
 	broker_error err;
@@ -94,6 +97,11 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 	cr_assert_eq(broker_take(b, a, id1, true, tok, &err), 0);
 	cr_assert_eq(broker_take(b, a, id2, true, tok, &err), BB_ERR_NO_MEMORY,
 		     "a second token is over conn_tokens 1");
+	/* a2 has made none, but uid A has its one. */
+	broker_buf *held;
+	cr_assert_eq(broker_open_id(b, a2, id2, &held, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_take(b, a2, id2, true, tok, &err), BB_ERR_NO_MEMORY,
+		     "a second token of uid A is over uid_tokens 1");
 
 	broker_waiter w1 = {.wake = noop_wake}, w2 = {.wake = noop_wake};
 	bb_state st;
@@ -101,6 +109,15 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 	cr_assert_eq(broker_wait(b, a, id1, &w1, &st, msg, &err), 0, "the first wait parks");
 	cr_assert_eq(broker_wait(b, a, id2, &w2, &st, msg, &err), BB_ERR_NO_MEMORY,
 		     "a second parked wait is over conn_waits 1");
+
+	/* Room for uid A again, but not on the daemon: host_buffers refuses. */
+	broker_limits more = l;
+	more.uid_buffers = 10;
+	more.uid_bytes[BB_HOST] = 1 << 20;
+	more.host_buffers = 2;
+	broker_set_limits(b, &more);
+	alloc_host(b, a, 100, &rc);
+	cr_assert_eq(rc, BB_ERR_NO_MEMORY, "a third live host buffer is over host_buffers 2");
 
 	/* Errors that are not limits count nowhere. */
 	broker_info info;
@@ -112,6 +129,9 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 	cr_assert_eq(t.refused[BROKER_LIMIT_UID_BUFFERS], 1);
 	cr_assert_eq(t.refused[BROKER_LIMIT_CONN_TOKENS], 1);
 	cr_assert_eq(t.refused[BROKER_LIMIT_CONN_WAITS], 1);
+	for (int i = 0; i < BROKER_LIMIT_COUNT; i++)
+		cr_assert_eq(t.refused[i], 1, "limit %s: %llu refusals, want 1",
+			     broker_limit_name(i), (unsigned long long)t.refused[i]);
 
 	broker_wait_cancel(b, &w1);
 	broker_conn_close(b, a);
@@ -119,14 +139,43 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 	broker_free(b);
 }
 
+/* Each limit with the broker_limits field it names: #field is the name it
+ * must have, and offsetof does not compile for a field that is not there. */
+#define LIMIT_FIELD(limit, field)                             \
+	{                                                     \
+		limit, #field, offsetof(broker_limits, field) \
+	}
+
 Test(broker_metrics, limit_names_match_the_limits_fields)
 {
-	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_CONNECTIONS), "connections");
-	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_UID_BUFFERS), "uid_buffers");
-	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_UID_BYTES), "uid_bytes");
-	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_CONN_TOKENS), "conn_tokens");
-	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_CONN_WAITS), "conn_waits");
-	cr_assert_str_eq(broker_limit_name(BROKER_LIMIT_HOST_BUFFERS), "host_buffers");
+	static const struct {
+		broker_limit limit;
+		const char *field;
+		size_t offset;
+	} fields[] = {
+		LIMIT_FIELD(BROKER_LIMIT_CONNECTIONS, connections),
+		LIMIT_FIELD(BROKER_LIMIT_UID_BUFFERS, uid_buffers),
+		LIMIT_FIELD(BROKER_LIMIT_UID_BYTES, uid_bytes),
+		LIMIT_FIELD(BROKER_LIMIT_CONN_TOKENS, conn_tokens),
+		LIMIT_FIELD(BROKER_LIMIT_CONN_WAITS, conn_waits),
+		LIMIT_FIELD(BROKER_LIMIT_UID_TOKENS, uid_tokens),
+		LIMIT_FIELD(BROKER_LIMIT_HOST_BUFFERS, host_buffers),
+	};
+	size_t n = sizeof(fields) / sizeof(fields[0]);
+	bool seen[BROKER_LIMIT_COUNT] = {false};
+
+	/* Every limit, each once: a new one fails here until it is named. */
+	cr_assert_eq(n, BROKER_LIMIT_COUNT, "%zu limits named here, the broker has %d", n,
+		     (int)BROKER_LIMIT_COUNT);
+	for (size_t i = 0; i < n; i++) {
+		cr_assert_lt((unsigned)fields[i].limit, BROKER_LIMIT_COUNT);
+		cr_assert_not(seen[fields[i].limit], "limit %d twice", (int)fields[i].limit);
+		seen[fields[i].limit] = true;
+		const char *name = broker_limit_name(fields[i].limit);
+		cr_assert_not_null(name, "limit %d has no name", (int)fields[i].limit);
+		cr_assert_str_eq(name, fields[i].field, "limit %d is named %s, its field %s",
+				 (int)fields[i].limit, name, fields[i].field);
+	}
 	cr_assert_null(broker_limit_name(BROKER_LIMIT_COUNT));
 }
 

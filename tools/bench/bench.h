@@ -78,7 +78,8 @@ void bench_pin_server_cpu(void);
 typedef struct result {
 	char name[64];   /* unique key, e.g. "roundtrip.bufbroker.c16" */
 	char group[24];  /* "roundtrip", "local", "host", "zerocopy", "scale", "cuda" */
-	char system[24]; /* "bufbroker", "echo", "redis", "atomic", "socket", "cuda" */
+	char system[24]; /* "bufbroker", "echo", "redis", "atomic", "socket", "private",
+			  * "cuda" */
 	char label[64];  /* what a reader sees in the table */
 	int clients;     /* client processes, 0 when not applicable */
 	uint64_t param;  /* bytes or live buffers, 0 when not applicable */
@@ -97,6 +98,10 @@ typedef struct result {
 	double r_base;      /* host: p50 in round trips; zero copy: GB/s over the
 			     * socket's; local: ns over the atomic pair's; each the
 			     * median of per-repetition ratios */
+	double r_private;   /* zero copy, bufbroker recycled: GB/s over a read of a
+			     * private, already-faulted buffer of the same size in
+			     * the same process (the limit), median of per-round
+			     * ratios */
 	char extra_name[32];
 	int reps;       /* repetitions the medians are over */
 	char note[200]; /* "" or why it was skipped / what to know */
@@ -177,6 +182,10 @@ void scenario_zerocopy(const bench_opts *o);
  * "advise", ...; "unknown" where it cannot be read): whether bufbroker's
  * MADV_HUGEPAGE on mappings from 2 MiB takes effect in the zero-copy rows. */
 const char *shmem_thp_mode(void);
+/* The same for private anonymous memory (/sys/kernel/mm/transparent_hugepage/
+ * enabled: "always", "madvise", "never"): what the private buffer the
+ * recycled zero-copy read is measured against gets. */
+const char *anon_thp_mode(void);
 void scenario_scale(const bench_opts *o);
 void scenario_cuda(const bench_opts *o);
 

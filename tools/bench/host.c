@@ -416,33 +416,81 @@ static void zc_bb_producer(const bench_opts *o, int recycled, int rounds, int to
 	_exit(0);
 }
 
-/* Bytes of this process's shared memory mapped with 2 MiB pages
- * (/proc/self/smaps_rollup ShmemPmdMapped), or -1 where it cannot be read. */
-static double shmem_pmd_bytes(void)
+/* Bytes of this process's memory that /proc/self/smaps_rollup counts under
+ * key (ShmemPmdMapped: shared memory mapped with 2 MiB pages;
+ * AnonHugePages: private memory in 2 MiB pages), or -1 where it cannot be
+ * read. */
+static double smaps_rollup_bytes(const char *key)
 {
 	char line[128];
+	size_t len = strlen(key);
 	double kb = -1;
 	FILE *f = fopen("/proc/self/smaps_rollup", "r");
 
 	if (!f)
 		return -1;
 	while (fgets(line, sizeof(line), f))
-		if (sscanf(line, "ShmemPmdMapped: %lf kB", &kb) == 1)
+		if (!strncmp(line, key, len) && line[len] == ':' &&
+		    sscanf(line + len + 1, "%lf kB", &kb) == 1)
 			break;
 	fclose(f);
 	return kb < 0 ? -1 : kb * 1024;
 }
 
+/* The share of a bytes-long buffer that smaps_rollup counts under key
+ * (the only mapping of the process big enough for 2 MiB pages), NAN if
+ * unknown. */
+static double huge_share_of(const char *key, size_t bytes)
+{
+	double b = smaps_rollup_bytes(key);
+	return b < 0 ? NAN : b / (double)bytes;
+}
+
+/* What a zero-copy consumer reports for each of its rounds (at most 2),
+ * in memory shared with the parent; NAN where it does not apply. */
+typedef struct zc_report {
+	double secs[2];      /* the timed read */
+	double huge[2];      /* bufbroker: share of the buffer the consumer had
+			      * mapped with 2 MiB pages after its read */
+	double priv_secs[2]; /* bufbroker, recycled: the same read of a private,
+			      * already-faulted buffer in the same process */
+	double priv_huge[2]; /* its share in 2 MiB pages */
+} zc_report;
+
+#define ZC_PRIVATE_BYTE 0x5a
+
+/* The limit a recycled zero-copy read is measured against: a private
+ * buffer of the consumer's own, of the same size, every page faulted in
+ * beforehand by a fill. It gets the huge-page advice bb_map gives a host
+ * mapping (client/map_host.c), so both ask the kernel for the same; the
+ * kernel's modes for anonymous and for shared memory decide what each
+ * gets, and the table shows it. */
+static unsigned char *zc_private_buffer(size_t n)
+{
+	unsigned char *p =
+		mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	size_t huge = n & ~(((size_t)2 << 20) - 1);
+
+	if (p == MAP_FAILED)
+		child_die("mmap of a private %zu-byte buffer failed", n);
+	if (huge)
+		(void)madvise(p, huge, MADV_HUGEPAGE);
+	memset(p, ZC_PRIVATE_BYTE, n);
+	return p;
+}
+
 /* Consumer through bufbroker: open + map + read, timed from the moment the
  * id arrives. Recycled: round 0 maps the buffer and keeps it (untimed, a
- * pool's first use); later rounds find it mapped. After each read (untimed)
- * huge[i] is the share of the buffer mapped with 2 MiB pages (NAN if
- * unknown). */
+ * pool's first use) and makes the private buffer; later rounds find it
+ * mapped, and after the timed read through bufbroker time the same read of
+ * the private buffer. After each read (untimed) the report gets the share
+ * of the buffer mapped with 2 MiB pages. */
 static void zc_bb_consumer(const bench_opts *o, int recycled, int rounds, int from_p, int to_p,
-			   double *secs, double *huge)
+			   zc_report *rep)
 {
 	bb_client *c;
 	bb_buf *keep = NULL;
+	unsigned char *priv = NULL;
 
 	bench_pin_client(0);
 	child_watchdog((uint64_t)rounds * 60000000000u);
@@ -462,17 +510,28 @@ static void zc_bb_consumer(const bench_opts *o, int recycled, int rounds, int fr
 		t1 = bench_now_ns();
 		if (sum != expected_sum(o->zc_bytes, (unsigned char)(i + 1)))
 			child_die("consumer read wrong bytes in round %d", i);
-		/* The buffer is the only mapping here big enough for 2 MiB pages. */
-		double pmd = shmem_pmd_bytes();
-		huge[i] = pmd < 0 ? NAN : pmd / (double)o->zc_bytes;
-		if (recycled && i == 0)
+		rep->huge[i] = huge_share_of("ShmemPmdMapped", o->zc_bytes);
+		rep->secs[i] = (double)(t1 - t0) / 1e9;
+		if (recycled && i == 0) {
 			keep = b;
-		else
+			priv = zc_private_buffer(o->zc_bytes);
+		} else {
 			bb_unref(b);
-		secs[i] = (double)(t1 - t0) / 1e9;
+		}
+		if (recycled && i > 0) {
+			t0 = bench_now_ns();
+			sum = sum_words(priv, o->zc_bytes);
+			t1 = bench_now_ns();
+			if (sum != expected_sum(o->zc_bytes, ZC_PRIVATE_BYTE))
+				child_die("consumer read wrong bytes from its private buffer");
+			rep->priv_secs[i] = (double)(t1 - t0) / 1e9;
+			rep->priv_huge[i] = huge_share_of("AnonHugePages", o->zc_bytes);
+		}
 		if (write_full(to_p, "d", 1))
 			child_die("consumer lost the producer");
 	}
+	if (priv)
+		munmap(priv, o->zc_bytes);
 	bb_unref(keep);
 	bb_disconnect(c);
 	_exit(0);
@@ -554,15 +613,17 @@ static void zc_sock_consumer(const bench_opts *o, int recycled, int rounds, int 
 }
 
 /* One timed round of a variant in two new processes (recycled: after an
- * untimed round that maps, or touches, the consumer's memory). 0 and the
- * consumer's seconds, or -1. */
-static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_out, double *huge_out)
+ * untimed round that maps, or touches, the consumer's memory). 0 and *out,
+ * the consumer's report of that round, or -1. */
+static int zc_round(const bench_opts *o, int sock, int recycled, zc_report *out)
 {
 	int rounds = recycled ? 2 : 1;
-	/* secs[i], then (bufbroker) the huge-page share of round i */
-	double *secs = shared_alloc(2 * (size_t)rounds * sizeof(double));
+	zc_report *rep = shared_alloc(sizeof(*rep));
 	pid_t prod, cons;
 	int fail = 0;
+
+	for (int i = 0; i < 2; i++)
+		rep->secs[i] = rep->huge[i] = rep->priv_secs[i] = rep->priv_huge[i] = NAN;
 
 	fflush(stdout);
 	fflush(stderr);
@@ -578,7 +639,7 @@ static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_ou
 		cons = fork();
 		if (cons == 0) {
 			close(sv[0]);
-			zc_sock_consumer(o, recycled, rounds, sv[1], secs);
+			zc_sock_consumer(o, recycled, rounds, sv[1], rep->secs);
 		}
 		close(sv[0]);
 		close(sv[1]);
@@ -596,7 +657,7 @@ static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_ou
 		if (cons == 0) {
 			close(p2c[1]);
 			close(c2p[0]);
-			zc_bb_consumer(o, recycled, rounds, p2c[0], c2p[1], secs, secs + rounds);
+			zc_bb_consumer(o, recycled, rounds, p2c[0], c2p[1], rep);
 		}
 		close(p2c[0]);
 		close(p2c[1]);
@@ -609,28 +670,44 @@ static int zc_round(const bench_opts *o, int sock, int recycled, double *secs_ou
 		fail = 1;
 	if (wait_child(prod))
 		fail = 1;
-	*secs_out = fail ? NAN : secs[rounds - 1];
-	*huge_out = fail || sock ? NAN : secs[2 * rounds - 1];
-	munmap(secs, 2 * (size_t)rounds * sizeof(double));
+	/* The last round is the timed one. */
+	out->secs[0] = fail ? NAN : rep->secs[rounds - 1];
+	out->huge[0] = fail ? NAN : rep->huge[rounds - 1];
+	out->priv_secs[0] = fail ? NAN : rep->priv_secs[rounds - 1];
+	out->priv_huge[0] = fail ? NAN : rep->priv_huge[rounds - 1];
+	munmap(rep, sizeof(*rep));
 	return fail ? -1 : 0;
 }
 
-const char *shmem_thp_mode(void)
+/* The bracketed word of a THP mode file into mode ("unknown" where it
+ * cannot be read). */
+static const char *thp_mode(const char *path, char *mode, size_t len)
 {
-	static char mode[32];
 	char line[256], *a, *b;
-	FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+	FILE *f = fopen(path, "r");
 
-	snprintf(mode, sizeof(mode), "unknown");
+	snprintf(mode, len, "unknown");
 	if (!f)
 		return mode;
 	/* "always within_size advise [never] deny force" */
 	if (fgets(line, sizeof(line), f) && (a = strchr(line, '[')) && (b = strchr(a, ']'))) {
 		*b = 0;
-		snprintf(mode, sizeof(mode), "%s", a + 1);
+		snprintf(mode, len, "%s", a + 1);
 	}
 	fclose(f);
 	return mode;
+}
+
+const char *shmem_thp_mode(void)
+{
+	static char mode[32];
+	return thp_mode("/sys/kernel/mm/transparent_hugepage/shmem_enabled", mode, sizeof(mode));
+}
+
+const char *anon_thp_mode(void)
+{
+	static char mode[32];
+	return thp_mode("/sys/kernel/mm/transparent_hugepage/enabled", mode, sizeof(mode));
 }
 
 #define ZC_MAX_ROUNDS 5
@@ -650,20 +727,31 @@ void scenario_zerocopy(const bench_opts *o)
 	 * small machine, and the run has to stay within five minutes. */
 	int rounds = o->reps < ZC_MAX_ROUNDS ? o->reps : ZC_MAX_ROUNDS;
 	double gb[4][ZC_MAX_ROUNDS], ms[4][ZC_MAX_ROUNDS], huge[4][ZC_MAX_ROUNDS], q[ZC_MAX_ROUNDS];
+	/* The private buffer read in the recycled bufbroker consumer's rounds. */
+	double pgb[ZC_MAX_ROUNDS], pms[ZC_MAX_ROUNDS], phuge[ZC_MAX_ROUNDS], qp[ZC_MAX_ROUNDS];
 
 	bench_set_pinned(1);
 	/* Round by round, each variant in turn, so a bufbroker figure and its
 	 * socket baseline are taken moments apart. */
 	for (int r = 0; r < rounds; r++) {
 		for (int i = 0; i < 4; i++) {
-			double secs;
+			zc_report rep;
 
 			fprintf(stderr, "  zero copy: round %d/%d, %s\n", r + 1, rounds,
 				v[i].label);
-			gb[i][r] = ms[i][r] = NAN;
-			if (zc_round(o, v[i].sock, v[i].recycled, &secs, &huge[i][r]) == 0) {
-				gb[i][r] = (double)o->zc_bytes / secs / 1e9;
-				ms[i][r] = secs * 1e3;
+			gb[i][r] = ms[i][r] = huge[i][r] = NAN;
+			if (zc_round(o, v[i].sock, v[i].recycled, &rep) == 0) {
+				gb[i][r] = (double)o->zc_bytes / rep.secs[0] / 1e9;
+				ms[i][r] = rep.secs[0] * 1e3;
+				huge[i][r] = rep.huge[0];
+			}
+			if (!v[i].sock && v[i].recycled) {
+				/* NAN when the round failed. Paired: the private
+				 * read came right after the one through bufbroker. */
+				pgb[r] = (double)o->zc_bytes / rep.priv_secs[0] / 1e9;
+				pms[r] = rep.priv_secs[0] * 1e3;
+				phuge[r] = rep.priv_huge[0];
+				qp[r] = gb[i][r] / pgb[r];
 			}
 		}
 	}
@@ -676,6 +764,8 @@ void scenario_zerocopy(const bench_opts *o)
 			for (int r = 0; r < rounds; r++)
 				q[r] = gb[i][r] / gb[i + 1][r]; /* NAN if either failed */
 			res->r_base = median(q, rounds);
+			if (v[i].recycled)
+				res->r_private = median(qp, rounds);
 		}
 		res->gbps = median(gb[i], rounds);
 		res->extra = median(ms[i], rounds);
@@ -685,5 +775,18 @@ void scenario_zerocopy(const bench_opts *o)
 			res->skipped = 1;
 			result_note(res, "failed (see the messages above)");
 		}
+	}
+	/* The limit the recycled read is held to, as a row of its own. */
+	result *res = result_new("zerocopy.private.recycled", "zerocopy", "private",
+				 "private buffer, same process");
+	res->param = o->zc_bytes;
+	res->reps = rounds;
+	res->gbps = median(pgb, rounds);
+	res->extra = median(pms, rounds);
+	res->huge_share = median(phuge, rounds);
+	snprintf(res->extra_name, sizeof(res->extra_name), "ms");
+	if (isnan(res->gbps)) {
+		res->skipped = 1;
+		result_note(res, "failed (see the messages above)");
 	}
 }

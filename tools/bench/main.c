@@ -406,15 +406,15 @@ int main(int argc, char **argv)
 			 "\"machine\": \"%s\", \"cpu\": \"%s\", \"cpus_online\": %ld, "
 			 "\"mode\": \"%s\", \"reps\": %d, \"duration_s\": %.3f, "
 			 "\"clients\": [%s], \"scale_levels\": [%s], \"zc_bytes\": %zu, "
-			 "\"shmem_thp\": \"%s\", "
+			 "\"shmem_thp\": \"%s\", \"anon_thp\": \"%s\", "
 			 "\"server_cpu\": %d, \"client_cpus\": [%s], "
 			 "\"echo_bytes\": {\"retain\": [%zu, %zu], \"release\": [%zu, %zu]}, "
 			 "\"elapsed_s\": %.1f",
 			 BB_VERSION_STRING, e_commit, e_command, e_cond, date, u.sysname, u.release,
 			 u.machine, e_model, sysconf(_SC_NPROCESSORS_ONLN),
 			 o.quick ? "quick" : "full", o.reps, (double)o.dur_ns / 1e9, counts, levels,
-			 o.zc_bytes, shmem_thp_mode(), bench_place.server_cpu, cpus,
-			 o.rt.req_bytes[0], o.rt.resp_bytes[0], o.rt.req_bytes[1],
+			 o.zc_bytes, shmem_thp_mode(), anon_thp_mode(), bench_place.server_cpu,
+			 cpus, o.rt.req_bytes[0], o.rt.resp_bytes[0], o.rt.req_bytes[1],
 			 o.rt.resp_bytes[1], secs);
 		if (report_json(&o, json, meta)) {
 			fprintf(stderr, "bufbroker-bench: cannot write %s\n", json);

