@@ -222,12 +222,20 @@ wait_socket() { # wait_socket PATH PID WHAT
 	return 1
 }
 
+# --max-connections: the most client processes bufbroker-bench starts (1000)
+# and the scale fillers, and no more: each connection counts 9 fds against
+# the daemon's open-file budget (docs/OPERATIONS.md, "Open files"), and the
+# host buffers of the scale series get what the budget leaves: the bench
+# caps their levels at the open-file limit less what the daemon keeps
+# (--daemon-fds-kept: 9 per connection, 256 spare, the 64 pooled memfds and
+# what it has open at start, with room to spare).
+MAX_CONN=1100
 bb_log "starting bufbrokerd (a second one with CUDA), the echo server and redis-server in $DIR"
 (
 	ulimit -n "$WANT_FILES" 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 	exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb.sock" --log-level warn \
 		--uid-buffers $((MAX_LEVEL + 100000)) --uid-host-bytes 1T --uid-cuda-bytes 1T \
-		--max-connections 4096
+		--max-connections "$MAX_CONN"
 ) >"$DIR/daemon.log" 2>&1 &
 DPID=$!
 wait_socket "$DIR/bb.sock" "$DPID" bufbrokerd || { cat "$DIR/daemon.log" >&2; exit 1; }
@@ -239,7 +247,7 @@ SCALE_CUDA_ARG=()
 if [[ ${#CUDA_ARG[@]} -gt 0 ]]; then
 	"${PIN[@]}" "$DAEMON" --socket "$DIR/bb-cuda.sock" --log-level warn \
 		--uid-buffers $((MAX_LEVEL + 100000)) --uid-cuda-bytes 1T \
-		--max-connections 4096 >"$DIR/daemon-cuda.log" 2>&1 &
+		--max-connections "$MAX_CONN" >"$DIR/daemon-cuda.log" 2>&1 &
 	CPID=$!
 	wait_socket "$DIR/bb-cuda.sock" "$CPID" "the second bufbrokerd" ||
 		{ cat "$DIR/daemon-cuda.log" >&2; exit 1; }
@@ -278,7 +286,7 @@ QUICK_ARG=()
 bb_log "running bufbroker-bench${QUICK_ARG:+ --quick} (CUDA: $CUDA_DESC)"
 rc=0
 "$BENCH" run --bb-socket "$DIR/bb.sock" --echo-socket "$DIR/echo.sock" "${REDIS_ARG[@]}" \
-	--daemon-pid "$DPID" "${SCALE_CUDA_ARG[@]}" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" \
+	--daemon-pid "$DPID" --daemon-fds-kept $((9 * MAX_CONN + 1024)) "${SCALE_CUDA_ARG[@]}" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" \
 	"${QUICK_ARG[@]}" "${CUDA_ARG[@]}" \
 	--json "$OUT/bench.json" --plot-data "$OUT" \
 	--commit "$COMMIT" --command "$CMDLINE" --conditions "$CONDITIONS" \

@@ -160,8 +160,9 @@ typedef struct bench_opts {
 	uint64_t dur_ns; /* per repetition of a closed loop */
 	int counts[8];   /* client counts for the round trip */
 	int ncounts;
-	rt_config rt;   /* servers */
-	int daemon_pid; /* for RSS and the fd limit; 0: unknown */
+	rt_config rt;             /* servers */
+	int daemon_pid;           /* for RSS and the fd limit; 0: unknown */
+	uint64_t daemon_fds_kept; /* fds the daemon keeps besides one per host buffer */
 	/* The CUDA scale series runs on a second bufbrokerd, idle until then,
 	 * so that the heap the host series freed does not hide what its
 	 * buffers cost; NULL: on bb_socket and daemon_pid. */

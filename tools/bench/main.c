@@ -31,6 +31,9 @@ static void usage(FILE *f)
 		"  --echo-socket PATH    the echo server's socket\n"
 		"  --redis-socket PATH   redis-server's Unix socket (Redis rows skipped without)\n"
 		"  --daemon-pid PID      bufbrokerd's pid, for its RSS and open-file limit\n"
+		"  --daemon-fds-kept N   the open files the daemon keeps besides one per host\n"
+		"                        buffer (its budget: 9 per --max-connections, its pool,\n"
+		"                        spares; default 512): caps the host scale levels\n"
 		"  --scale-cuda-socket PATH, --scale-cuda-pid PID\n"
 		"                        a second bufbrokerd for the CUDA scale series, idle\n"
 		"                        until then (default: the first)\n"
@@ -147,6 +150,7 @@ enum {
 	OPT_ECHO,
 	OPT_REDIS,
 	OPT_PID,
+	OPT_DAEMON_FDS_KEPT,
 	OPT_SCALE_CUDA_SOCKET,
 	OPT_SCALE_CUDA_PID,
 	OPT_SERVER_CPU,
@@ -173,6 +177,7 @@ static const struct option options[] = {
 	{"echo-socket", required_argument, NULL, OPT_ECHO},
 	{"redis-socket", required_argument, NULL, OPT_REDIS},
 	{"daemon-pid", required_argument, NULL, OPT_PID},
+	{"daemon-fds-kept", required_argument, NULL, OPT_DAEMON_FDS_KEPT},
 	{"scale-cuda-socket", required_argument, NULL, OPT_SCALE_CUDA_SOCKET},
 	{"scale-cuda-pid", required_argument, NULL, OPT_SCALE_CUDA_PID},
 	{"server-cpu", required_argument, NULL, OPT_SERVER_CPU},
@@ -253,6 +258,7 @@ int main(int argc, char **argv)
 		case OPT_ECHO: o.rt.echo_socket = optarg; break;
 		case OPT_REDIS: o.rt.redis_socket = optarg; break;
 		case OPT_PID: o.daemon_pid = atoi(optarg); break;
+		case OPT_DAEMON_FDS_KEPT: o.daemon_fds_kept = strtoull(optarg, NULL, 10); break;
 		case OPT_SCALE_CUDA_SOCKET: o.scale_cuda_socket = optarg; break;
 		case OPT_SCALE_CUDA_PID: o.scale_cuda_pid = atoi(optarg); break;
 		case OPT_SERVER_CPU: server_cpu = atoi(optarg); break;

@@ -32,7 +32,8 @@
 #include "client_internal.h"
 
 #define FILLERS 4
-/* Descriptors the daemon needs besides one per buffer (listeners, clients). */
+/* Descriptors the daemon needs besides one per buffer (listeners, clients)
+ * when the caller does not say (--daemon-fds-kept). */
 #define FD_HEADROOM 512
 /* How long the daemon may take to free a series' buffers. */
 #define RELEASE_TIMEOUT_NS (120 * 1000000000ull)
@@ -418,16 +419,17 @@ static void series_run(const bench_opts *o, const series *s, long prev_kb, long 
 	started = fillers_start(f, o->rt.bb_socket, s, why, sizeof(why));
 	broken = started < FILLERS;
 
+	uint64_t headroom = o->daemon_fds_kept ? o->daemon_fds_kept : FD_HEADROOM;
 	for (int l = 0; l < o->nscale; l++) {
 		uint64_t want = o->scale[l];
 		char name[64], label[64];
 		char note[200] = "";
 
-		if (nofile > 0 && want + FD_HEADROOM > (uint64_t)nofile) {
+		if (nofile > 0 && want + headroom > (uint64_t)nofile) {
 			/* One memfd per live host buffer: the daemon's open-file
 			 * limit caps the level (run.sh raises it when root). */
 			uint64_t cap =
-				(uint64_t)nofile > FD_HEADROOM ? (uint64_t)nofile - FD_HEADROOM : 0;
+				(uint64_t)nofile > headroom ? (uint64_t)nofile - headroom : 0;
 			snprintf(note, sizeof(note),
 				 "asked for %" PRIu64
 				 "; the daemon's open-file limit (%ld) allows %" PRIu64,
