@@ -55,11 +55,10 @@ struct session {
 
 /* The request being answered. */
 typedef struct req_ctx {
-	session *c;     /* who asked */
-	uint64_t id;    /* Request.id */
-	bool quiet;     /* Request.no_reply */
-	const char *op; /* op name, for logs */
-	int opc;        /* Request.op_case, for metrics */
+	session *c;  /* who asked */
+	uint64_t id; /* Request.id */
+	bool quiet;  /* Request.no_reply */
+	int opc;     /* Request.op_case, for metrics */
 } req_ctx;
 
 /* Send a response that is just a status. */
@@ -117,8 +116,8 @@ static void reply_error(req_ctx *r, int code, const char *msg)
 	if (code != BB_ERR_TIMEOUT && log_enabled(LOG_INFO)) {
 		char esc[512];
 		log_info("event=request_failed conn=%llu uid=%u pid=%u op=%s code=%s error=\"%s\"",
-			 (unsigned long long)c->serial, c->uid, c->pid, r->op, bb_err_name(code),
-			 log_escape(msg, esc, sizeof(esc)));
+			 (unsigned long long)c->serial, c->uid, c->pid, bb_op_name(r->opc),
+			 bb_err_name(code), log_escape(msg, esc, sizeof(esc)));
 	}
 	if (!r->quiet)
 		send_status(c, r->id, code, msg);
@@ -313,11 +312,8 @@ static bool retry_alloc(void *ctx, const park_alloc *pa)
 {
 	handler *h = ctx;
 	session *c = pa->owner;
-	req_ctx r = {.c = c,
-		     .id = pa->req_id,
-		     .quiet = pa->quiet,
-		     .op = bb_op_name(BUFBROKER__REQUEST__OP_ALLOC),
-		     .opc = BUFBROKER__REQUEST__OP_ALLOC};
+	req_ctx r = {
+		.c = c, .id = pa->req_id, .quiet = pa->quiet, .opc = BUFBROKER__REQUEST__OP_ALLOC};
 	if (c->reply.closing(c->reply.ctx)) {
 		metrics_answered(h->counters, r.opc, BB_ERR_DISCONNECTED);
 		alloc_unparked(c);
@@ -887,11 +883,7 @@ static void denied_message(const session *c, char *buf, size_t len)
 
 void handler_request(session *c, const Bufbroker__Request *req, int fd, const char *invalid)
 {
-	req_ctx r = {.c = c,
-		     .id = req->id,
-		     .quiet = req->no_reply,
-		     .op = bb_op_name(req->op_case),
-		     .opc = req->op_case};
+	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .opc = req->op_case};
 
 	if (c->denied) {
 		/* Whatever it asks first (a Hello, from any client library):
