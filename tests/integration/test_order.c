@@ -46,8 +46,9 @@ static uint64_t raw_next(int raw, int *code, int *result)
 	return id;
 }
 
-/* Allocate a 4 KiB host buffer on raw (request id); returns its id. */
-static uint64_t raw_alloc(int raw, uint64_t id)
+/* Ask raw for a 4 KiB host buffer (request id): its status code, and its
+ * id in *buf when it was made. */
+static int raw_try_alloc(int raw, uint64_t id, uint64_t *buf)
 {
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
@@ -60,24 +61,23 @@ static uint64_t raw_alloc(int raw, uint64_t id)
 	req.alloc = &a;
 	raw_send(raw, &req, id, false);
 	cr_assert_eq(bbt_raw_recv(raw, bbt_ms(3000), &resp, &fd), 1, "no answer to Alloc");
-	bool ok = resp->id == id && resp->status && resp->status->code == 0 && resp->grant &&
-		  resp->grant->info;
-	uint64_t buf = ok ? resp->grant->info->id : 0;
+	cr_assert_eq(resp->id, id, "the answer is to request %llu, want %llu",
+		     (unsigned long long)resp->id, (unsigned long long)id);
+	int code = resp->status ? resp->status->code : 1;
+	*buf = code == 0 && resp->grant && resp->grant->info ? resp->grant->info->id : 0;
 	bufbroker__response__free_unpacked(resp, NULL);
 	if (fd >= 0)
 		close(fd);
-	cr_assert(ok, "Alloc failed");
-	return buf;
+	return code;
 }
 
-/* Whether d's status shows want parked waits, waiting for it a while. */
-static bool waits_become(bb_client *c, uint64_t want)
+/* A 4 KiB host buffer made on raw (request id): its id. */
+static uint64_t raw_alloc(int raw, uint64_t id)
 {
-	bbt_totals t = {0};
-	int64_t deadline = bbt_now_ms() + bbt_ms(3000);
-	while (bbt_server_totals(c, &t) == 0 && t.waits != want && bbt_now_ms() < deadline)
-		bbt_sleep_ms(5);
-	return t.waits == want;
+	uint64_t buf;
+	int code = raw_try_alloc(raw, id, &buf);
+	cr_assert(code == 0 && buf, "Alloc failed with %d", code);
+	return buf;
 }
 
 Test(order, woken_waits_are_answered_before_the_set_ready_that_woke_them)
@@ -87,15 +87,9 @@ Test(order, woken_waits_are_answered_before_the_set_ready_that_woke_them)
 	int raw = raw_open(d);
 	uint64_t buf = raw_alloc(raw, 2);
 
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Wait w = BUFBROKER__WAIT__INIT;
-	w.id = buf;
-	w.timeout_ms = -1;
-	req.op_case = BUFBROKER__REQUEST__OP_WAIT;
-	req.wait = &w;
-	raw_send(raw, &req, 10, false);
-	raw_send(raw, &req, 11, false);
-	cr_assert(waits_become(admin, 2), "the two Waits did not park");
+	cr_assert_eq(bbt_raw_wait(raw, 10, buf, -1), 0);
+	cr_assert_eq(bbt_raw_wait(raw, 11, buf, -1), 0);
+	cr_assert(bbt_waits_until(admin, 2, 3000, NULL), "the two Waits did not park");
 
 	Bufbroker__Request set = BUFBROKER__REQUEST__INIT;
 	Bufbroker__SetReady sr = BUFBROKER__SET_READY__INIT;
@@ -137,13 +131,7 @@ Test(order, a_no_reply_wait_is_refused_without_an_answer)
 	raw_send(raw, &req, 20, true);
 
 	/* Answered in order: the next answer is to the Stat sent after it. */
-	Bufbroker__Request st = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Stat s = BUFBROKER__STAT__INIT;
-	s.target_case = BUFBROKER__STAT__TARGET_ID;
-	s.id = buf;
-	st.op_case = BUFBROKER__REQUEST__OP_STAT;
-	st.stat = &s;
-	raw_send(raw, &st, 21, false);
+	cr_assert_eq(bbt_raw_stat(raw, 21, buf), 0);
 	int code, result;
 	uint64_t id = raw_next(raw, &code, &result);
 	cr_assert_eq(id, 21, "the first answer is to request %llu, want the Stat's (21)",
@@ -151,7 +139,7 @@ Test(order, a_no_reply_wait_is_refused_without_an_answer)
 	cr_assert_eq(code, 0);
 	cr_assert_eq(result, BUFBROKER__RESPONSE__RESULT_INFO);
 	/* Refused, not parked: nothing waits on the buffer. */
-	cr_assert(waits_become(admin, 0), "the no_reply Wait was parked");
+	cr_assert(bbt_waits_until(admin, 0, 3000, NULL), "the no_reply Wait was parked");
 	close(raw);
 	bb_disconnect(admin);
 	bbt_stop_clean(d);
@@ -164,19 +152,10 @@ Test(order, uid_0_is_under_the_per_uid_buffer_limit)
 	static const char *const args[] = {"--uid-buffers", "2", NULL};
 	bbt_daemon *d = bbt_start(args);
 	int raw = raw_open(d);
+	uint64_t buf;
 	raw_alloc(raw, 2);
 	raw_alloc(raw, 3);
-
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
-	a.size = 4096;
-	a.kind = BUFBROKER__KIND__KIND_HOST;
-	req.op_case = BUFBROKER__REQUEST__OP_ALLOC;
-	req.alloc = &a;
-	raw_send(raw, &req, 4, false);
-	int code, result;
-	uint64_t id = raw_next(raw, &code, &result);
-	cr_assert_eq(id, 4);
+	int code = raw_try_alloc(raw, 4, &buf);
 	cr_assert_eq(code, BB_ERR_NO_MEMORY, "root's third buffer over --uid-buffers 2: status %d",
 		     code);
 	close(raw);
