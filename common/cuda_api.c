@@ -24,6 +24,17 @@ _Static_assert(CUDA_ERROR_NO_DEVICE == 100 && CUDA_ERROR_INVALID_DEVICE == 101 &
 		       CUDA_ERROR_NOT_SUPPORTED == 801,
 	       "error codes");
 _Static_assert(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS == 1, "IPC flag");
+_Static_assert(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED == 102 &&
+		       CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED == 103,
+	       "device attributes");
+_Static_assert(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == 1 && CU_MEM_ACCESS_FLAGS_PROT_READWRITE == 3 &&
+		       CU_MEM_LOCATION_TYPE_DEVICE == 1 && CU_MEM_ALLOCATION_TYPE_PINNED == 1 &&
+		       CU_MEM_ALLOC_GRANULARITY_MINIMUM == 0 &&
+		       CU_MEM_ALLOC_GRANULARITY_RECOMMENDED == 1,
+	       "VMM enums");
+_Static_assert(sizeof(CUmemAllocationProp) == 32 && sizeof(CUmemAccessDesc) == 12 &&
+		       sizeof(CUmemGenericAllocationHandle) == 8,
+	       "VMM structs");
 #endif
 
 const char *bb_cuda_library_path(void)
@@ -68,6 +79,17 @@ static const struct sym syms[] = {
 	REQ(IpcCloseMemHandle, "cuIpcCloseMemHandle"),
 	REQ(GetErrorName, "cuGetErrorName"),
 	REQ(GetErrorString, "cuGetErrorString"),
+	OPT(DeviceGetAttribute, "cuDeviceGetAttribute"),
+	OPT(MemCreate, "cuMemCreate"),
+	OPT(MemRelease, "cuMemRelease"),
+	OPT(MemExportToShareableHandle, "cuMemExportToShareableHandle"),
+	OPT(MemImportFromShareableHandle, "cuMemImportFromShareableHandle"),
+	OPT(MemAddressReserve, "cuMemAddressReserve"),
+	OPT(MemAddressFree, "cuMemAddressFree"),
+	OPT(MemMap, "cuMemMap"),
+	OPT(MemUnmap, "cuMemUnmap"),
+	OPT(MemSetAccess, "cuMemSetAccess"),
+	OPT(MemGetAllocationGranularity, "cuMemGetAllocationGranularity"),
 	OPT(MemcpyHtoD, "cuMemcpyHtoD_v2"),
 	OPT(MemcpyDtoH, "cuMemcpyDtoH_v2"),
 	OPT(MemsetD8, "cuMemsetD8_v2"),
@@ -101,6 +123,25 @@ int bb_cuda_load(bb_cuda *api, char *err, size_t errlen)
 		return -1;
 	}
 	return 0;
+}
+
+int bb_cuda_has_vmm(const bb_cuda *api, char *why, size_t whylen)
+{
+	for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
+		if (syms[i].offset < offsetof(bb_cuda, DeviceGetAttribute) ||
+		    syms[i].offset > offsetof(bb_cuda, MemGetAllocationGranularity))
+			continue;
+		void *fn;
+		memcpy(&fn, (const char *)api + syms[i].offset, sizeof(fn));
+		if (!fn) {
+			if (why)
+				snprintf(why, whylen,
+					 "the CUDA driver %s lacks %s (too old for VMM allocations)",
+					 bb_cuda_library_path(), syms[i].name);
+			return 0;
+		}
+	}
+	return 1;
 }
 
 void bb_cuda_unload(bb_cuda *api)

@@ -44,7 +44,54 @@ enum {
 	CUDA_ERROR_NOT_SUPPORTED = 801,
 };
 #define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
+typedef int CUdevice_attribute;
 #define CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING 41
+#define CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 102
+#define CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED 103
+
+/* The virtual memory management API (cuMemCreate and its family). */
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef enum CUmemAllocationHandleType_enum {
+	CU_MEM_HANDLE_TYPE_NONE = 0x0,
+	CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1,
+} CUmemAllocationHandleType;
+typedef enum CUmemAccess_flags_enum {
+	CU_MEM_ACCESS_FLAGS_PROT_NONE = 0x0,
+	CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1,
+	CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3,
+} CUmemAccess_flags;
+typedef enum CUmemLocationType_enum {
+	CU_MEM_LOCATION_TYPE_INVALID = 0x0,
+	CU_MEM_LOCATION_TYPE_DEVICE = 0x1,
+} CUmemLocationType;
+typedef enum CUmemAllocationType_enum {
+	CU_MEM_ALLOCATION_TYPE_INVALID = 0x0,
+	CU_MEM_ALLOCATION_TYPE_PINNED = 0x1,
+} CUmemAllocationType;
+typedef enum CUmemAllocationGranularity_flags_enum {
+	CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0,
+	CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1,
+} CUmemAllocationGranularity_flags;
+typedef struct CUmemLocation_st {
+	CUmemLocationType type;
+	int id; /* the device ordinal for CU_MEM_LOCATION_TYPE_DEVICE */
+} CUmemLocation;
+typedef struct CUmemAllocationProp_st {
+	CUmemAllocationType type;
+	CUmemAllocationHandleType requestedHandleTypes;
+	CUmemLocation location;
+	void *win32HandleMetaData; /* NULL on POSIX */
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+typedef struct CUmemAccessDesc_st {
+	CUmemLocation location;
+	CUmemAccess_flags flags;
+} CUmemAccessDesc;
 #endif /* BB_HAVE_CUDA_H */
 
 /* Every entry point the project resolves (the _v2 names where the driver
@@ -72,6 +119,29 @@ typedef struct bb_cuda {
 	CUresult (*IpcCloseMemHandle)(CUdeviceptr dptr);
 	CUresult (*GetErrorName)(CUresult err, const char **str);
 	CUresult (*GetErrorString)(CUresult err, const char **str);
+	/* Optional: a driver without these serves legacy IPC buffers only
+	 * (bb_cuda_has_vmm says whether every one of the VMM group is there). */
+	CUresult (*DeviceGetAttribute)(int *value, CUdevice_attribute attrib, CUdevice dev);
+	CUresult (*MemCreate)(CUmemGenericAllocationHandle *handle, size_t size,
+			      const CUmemAllocationProp *prop, unsigned long long flags);
+	CUresult (*MemRelease)(CUmemGenericAllocationHandle handle);
+	CUresult (*MemExportToShareableHandle)(void *shareable, CUmemGenericAllocationHandle handle,
+					       CUmemAllocationHandleType type,
+					       unsigned long long flags);
+	CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle *handle,
+						 void *os_handle,
+						 CUmemAllocationHandleType type);
+	CUresult (*MemAddressReserve)(CUdeviceptr *ptr, size_t size, size_t alignment,
+				      CUdeviceptr addr, unsigned long long flags);
+	CUresult (*MemAddressFree)(CUdeviceptr ptr, size_t size);
+	CUresult (*MemMap)(CUdeviceptr ptr, size_t size, size_t offset,
+			   CUmemGenericAllocationHandle handle, unsigned long long flags);
+	CUresult (*MemUnmap)(CUdeviceptr ptr, size_t size);
+	CUresult (*MemSetAccess)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+				 size_t count);
+	CUresult (*MemGetAllocationGranularity)(size_t *granularity,
+						const CUmemAllocationProp *prop,
+						CUmemAllocationGranularity_flags option);
 	/* Optional: tests and benchmarks move bytes with these. */
 	CUresult (*MemcpyHtoD)(CUdeviceptr dst, const void *src, size_t bytes); /* _v2 */
 	CUresult (*MemcpyDtoH)(void *dst, CUdeviceptr src, size_t bytes);       /* _v2 */
@@ -83,6 +153,10 @@ typedef struct bb_cuda {
  * success; otherwise -1 with a sentence in err saying why (no library, a
  * missing symbol, cuInit's error) and *api left unloaded. */
 int bb_cuda_load(bb_cuda *api, char *err, size_t errlen);
+/* 1 when the driver has every VMM entry point above (DeviceGetAttribute
+ * through MemGetAllocationGranularity), else 0 with why (when not NULL)
+ * naming the first one missing. */
+int bb_cuda_has_vmm(const bb_cuda *api, char *why, size_t whylen);
 /* dlclose. Safe on an api that failed to load. */
 void bb_cuda_unload(bb_cuda *api);
 /* "CUDA_ERROR_OUT_OF_MEMORY (out of memory)" for logs and messages; never NULL. */

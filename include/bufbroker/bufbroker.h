@@ -130,6 +130,29 @@ typedef struct bb_cuda_ipc {
 	unsigned char device_uuid[16]; /* the device's UUID (cuDeviceGetUuid) */
 } bb_cuda_ipc;
 
+/* How a CUDA buffer's memory is shared (bb_alloc_cuda, bb_cuda_handle_of).
+ * LEGACY: a cuMemAlloc allocation shared through a CUDA IPC handle
+ * (bb_cuda_ipc_of); the processes must share IPC and PID namespaces.
+ * VMM: a cuMemCreate allocation exported as a POSIX file descriptor that
+ * the daemon sends over its socket (bb_cuda_vmm_of); it crosses container
+ * boundaries, needing nothing but the socket. bb_map maps both alike. */
+typedef enum bb_cuda_handle {
+	BB_CUDA_HANDLE_DEFAULT = 0, /* the daemon's default (bufbrokerd --cuda-handle) */
+	BB_CUDA_HANDLE_AUTO = 1,    /* VMM where device, driver and daemon allow it, else LEGACY */
+	BB_CUDA_HANDLE_LEGACY = 2,
+	BB_CUDA_HANDLE_VMM = 3,
+} bb_cuda_handle;
+
+/* Where a VMM CUDA buffer lives (bb_cuda_vmm_of). */
+typedef struct bb_cuda_vmm {
+	int fd;                        /* the allocation's fd; the caller's to close */
+	uint64_t allocation;           /* the allocation's identity, never reused by the daemon */
+	size_t allocation_size;        /* bytes of the allocation: map it whole */
+	uint64_t offset;               /* buffer start inside that allocation */
+	size_t size;                   /* the buffer's bytes */
+	unsigned char device_uuid[16]; /* the device's UUID (cuDeviceGetUuid) */
+} bb_cuda_vmm;
+
 /* Connect to the daemon. path NULL: $BUFBROKER_SOCKET, else the default
  * socket ($XDG_RUNTIME_DIR/bufbroker.sock when it exists and the caller is
  * not root, else /run/bufbroker/bufbroker.sock). Sends Hello and checks the
@@ -156,6 +179,18 @@ void bb_disconnect(bb_client *c);
  * the slab. Device memory meant for other uids is allocated with the share
  * policy that admits them. */
 int bb_alloc(bb_client *c, const bb_alloc_opts *opts, bb_buf **out);
+/* bb_alloc with the CUDA handle kind asked for (bb_alloc is this with
+ * BB_CUDA_HANDLE_DEFAULT: the daemon's default, LEGACY unless its operator
+ * set another). opts->kind BB_HOST takes BB_CUDA_HANDLE_DEFAULT only
+ * (else BB_ERR_INVALID). A kind that cannot be had is never replaced by
+ * the other: BB_ERR_UNSUPPORTED, and bb_last_error() says why (the driver
+ * is too old, the device cannot export file descriptors, the operator
+ * forbade that kind). AUTO is VMM where the daemon's device, driver and
+ * configuration allow it, else LEGACY. VMM buffers share allocations as
+ * LEGACY ones do (same device, owner uid and share policy), never with
+ * LEGACY ones. */
+int bb_alloc_cuda(bb_client *c, const bb_alloc_opts *opts, bb_cuda_handle handle,
+		  bb_buf **out);
 /* One more reference to an existing buffer (coalesced per connection: an id
  * this connection already holds returns the same handle, one more count).
  * No such buffer (or name): BB_ERR_NOT_FOUND; its share policy does not
@@ -245,6 +280,22 @@ int bb_map(bb_buf *b, void **ptr_out);
  * does not also open their handles itself. Close your own open before the
  * buffer's last count goes: the daemon may then free the memory. */
 int bb_cuda_ipc_of(bb_buf *b, bb_cuda_ipc *out);
+/* BB_CUDA_HANDLE_LEGACY or BB_CUDA_HANDLE_VMM for a CUDA buffer's handle,
+ * BB_CUDA_HANDLE_DEFAULT (0) for a host buffer or NULL. A VMM buffer's
+ * bb_cuda_ipc_of answers BB_ERR_UNSUPPORTED, a LEGACY one's bb_cuda_vmm_of
+ * too. */
+bb_cuda_handle bb_cuda_handle_of(const bb_buf *b);
+/* VMM CUDA buffers only: a new fd (O_CLOEXEC, the caller closes it) for
+ * the allocation holding the buffer, for a framework that imports it
+ * itself: cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
+ * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), then cuMemAddressReserve and
+ * cuMemMap of allocation_size bytes, cuMemSetAccess, and the buffer is at
+ * offset. Unlike a legacy handle the allocation may be imported any number
+ * of times, also beside bb_map. The fd, an import or a mapping keeps the
+ * allocation's device memory alive in this process even after the buffer's
+ * last count goes, outside the daemon's accounting: close and release
+ * them with the buffer. */
+int bb_cuda_vmm_of(bb_buf *b, bb_cuda_vmm *out);
 
 /* The handle's buffer: id, size in bytes, kind; 0 for NULL. */
 uint64_t bb_id(const bb_buf *b);
