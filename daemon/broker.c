@@ -496,7 +496,8 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	}
 	if (req->size > b->limits.uid_bytes[req->kind] ||
 	    have_bytes > b->limits.uid_bytes[req->kind] - req->size) {
-		b->refused[BROKER_LIMIT_UID_BYTES]++;
+		b->refused[req->kind == BB_CUDA ? BROKER_LIMIT_UID_CUDA_BYTES
+						: BROKER_LIMIT_UID_BYTES]++;
 		/* The sum may pass the limit by less than the rounding shows. */
 		uint64_t would =
 			req->size > UINT64_MAX - have_bytes ? UINT64_MAX : have_bytes + req->size;
@@ -1095,6 +1096,7 @@ const char *broker_limit_name(broker_limit limit)
 		[BROKER_LIMIT_CONN_WAITS] = "conn_waits",
 		[BROKER_LIMIT_UID_TOKENS] = "uid_tokens",
 		[BROKER_LIMIT_HOST_BUFFERS] = "host_buffers",
+		[BROKER_LIMIT_UID_CUDA_BYTES] = "uid_cuda_bytes",
 	};
 	return (unsigned)limit < BROKER_LIMIT_COUNT ? names[limit] : NULL;
 }

@@ -89,15 +89,18 @@ typedef struct broker_info {
 } broker_info;
 
 /* The broker's limits that refuse requests, for counting refusals. Named
- * (broker_limit_name) as the broker_limits fields are. */
+ * (broker_limit_name) as the broker_limits fields are; the per-uid byte
+ * limit has one name per kind: uid_bytes for host buffers (its name before
+ * CUDA buffers had a limit of their own), uid_cuda_bytes for CUDA ones. */
 typedef enum broker_limit {
-	BROKER_LIMIT_CONNECTIONS,  /* broker_conn_open */
-	BROKER_LIMIT_UID_BUFFERS,  /* broker_alloc */
-	BROKER_LIMIT_UID_BYTES,    /* broker_alloc */
-	BROKER_LIMIT_CONN_TOKENS,  /* broker_take */
-	BROKER_LIMIT_CONN_WAITS,   /* broker_wait */
-	BROKER_LIMIT_UID_TOKENS,   /* broker_take */
-	BROKER_LIMIT_HOST_BUFFERS, /* broker_alloc */
+	BROKER_LIMIT_CONNECTIONS,    /* broker_conn_open */
+	BROKER_LIMIT_UID_BUFFERS,    /* broker_alloc */
+	BROKER_LIMIT_UID_BYTES,      /* broker_alloc: host bytes, uid_bytes[BB_HOST] */
+	BROKER_LIMIT_CONN_TOKENS,    /* broker_take */
+	BROKER_LIMIT_CONN_WAITS,     /* broker_wait */
+	BROKER_LIMIT_UID_TOKENS,     /* broker_take */
+	BROKER_LIMIT_HOST_BUFFERS,   /* broker_alloc */
+	BROKER_LIMIT_UID_CUDA_BYTES, /* broker_alloc: CUDA bytes, uid_bytes[BB_CUDA] */
 	BROKER_LIMIT_COUNT
 } broker_limit;
 

@@ -292,6 +292,49 @@ int metrics_open_fds(void)
 	return n - 1; /* the directory's own */
 }
 
+int metrics_process_read(metrics_process *out)
+{
+	char buf[1024], *p;
+	unsigned long long utime, stime, start_ticks, vsize;
+	long long rss;
+	long hz = sysconf(_SC_CLK_TCK), page = sysconf(_SC_PAGESIZE);
+	FILE *f = fopen("/proc/self/stat", "re");
+	if (!f)
+		return -1;
+	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	buf[n] = '\0';
+	/* The command name, in parentheses, may itself hold ") ": the fields
+	 * start after the last one. utime is field 14 of proc(5), the state
+	 * field 3. */
+	if (hz <= 0 || page <= 0 || !(p = strrchr(buf, ')')) ||
+	    sscanf(p + 1,
+		   " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d %*d %*d %*d %*d"
+		   " %llu %llu %lld",
+		   &utime, &stime, &start_ticks, &vsize, &rss) != 5) {
+		errno = EINVAL;
+		return -1;
+	}
+	/* The boot time, whole seconds since the epoch (btime of proc(5)). */
+	unsigned long long btime = 0;
+	bool have_btime = false;
+	char line[256];
+	if (!(f = fopen("/proc/stat", "re")))
+		return -1;
+	while (!have_btime && fgets(line, sizeof(line), f))
+		have_btime = sscanf(line, "btime %llu", &btime) == 1;
+	fclose(f);
+	if (!have_btime) {
+		errno = EINVAL;
+		return -1;
+	}
+	out->cpu_seconds = (double)(utime + stime) / (double)hz;
+	out->start_time_seconds = (double)btime + (double)start_ticks / (double)hz;
+	out->virtual_bytes = vsize;
+	out->resident_bytes = rss > 0 ? (unsigned long long)rss * (unsigned long long)page : 0;
+	return 0;
+}
+
 /* HTTP thread: text (*len bytes, malloc'ed) with the process's gauges
  * after it, under the names Prometheus's client libraries give them.
  * Returns the text (text itself when there is no memory for more). */
@@ -315,6 +358,20 @@ static char *with_process(char *text, size_t *len)
 	if (limit) {
 		family(f, "process_max_fds", "gauge", "Maximum number of open file descriptors.");
 		fprintf(f, "process_max_fds %llu\n", (unsigned long long)rl.rlim_cur);
+	}
+	metrics_process ps;
+	if (metrics_process_read(&ps) == 0) {
+		family(f, "process_cpu_seconds_total", "counter",
+		       "Total user and system CPU time spent in seconds.");
+		fprintf(f, "process_cpu_seconds_total %.2f\n", ps.cpu_seconds);
+		family(f, "process_resident_memory_bytes", "gauge",
+		       "Resident memory size in bytes.");
+		fprintf(f, "process_resident_memory_bytes %llu\n", ps.resident_bytes);
+		family(f, "process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.");
+		fprintf(f, "process_virtual_memory_bytes %llu\n", ps.virtual_bytes);
+		family(f, "process_start_time_seconds", "gauge",
+		       "Start time of the process since unix epoch in seconds.");
+		fprintf(f, "process_start_time_seconds %.2f\n", ps.start_time_seconds);
 	}
 	if (fclose(f) != 0 || !more) {
 		free(more);

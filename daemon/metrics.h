@@ -9,8 +9,10 @@
  * runs libmicrohttpd on its own thread; a scrape asks the loop thread for a
  * rendered snapshot (uv_async_send) and waits for it at most
  * METRICS_SCRAPE_TIMEOUT_MS, answering 503 when the loop does not answer.
- * The process's own gauges (process_open_fds, process_max_fds) are read
- * and rendered on the HTTP thread.
+ * The process's own metrics (process_open_fds, process_max_fds,
+ * process_cpu_seconds_total, process_resident_memory_bytes,
+ * process_virtual_memory_bytes, process_start_time_seconds) are read and
+ * rendered on the HTTP thread.
  */
 #ifndef BB_METRICS_H
 #define BB_METRICS_H
@@ -64,6 +66,20 @@ void metrics_refused(metrics_counters *mc, metrics_limit limit);
  * every entry: tens of milliseconds at tens of thousands of fds, so the
  * endpoint calls it on its own thread, never the loop's. */
 int metrics_open_fds(void);
+
+/* The process's own numbers, from /proc/self/stat and /proc/stat, as
+ * Prometheus's client libraries read them. */
+typedef struct metrics_process {
+	double cpu_seconds;        /* user + system CPU time */
+	double start_time_seconds; /* start, seconds since the epoch (boot time + starttime) */
+	unsigned long long virtual_bytes;  /* the address space's size (vsize) */
+	unsigned long long resident_bytes; /* resident pages times the page size */
+} metrics_process;
+
+/* Fill *out for this process: 0, or -1 when /proc cannot tell (errno).
+ * Reads two files: the endpoint calls it on its own thread. The start
+ * time is as exact as the kernel's boot time, whole seconds. */
+int metrics_process_read(metrics_process *out);
 
 /* Serve GET /metrics on listen_addr: "IPV4:PORT", "[IPV6]:PORT" or
  * "localhost:PORT" (an address literal: no name lookup); port 0 takes a free

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The Prometheus endpoint (--metrics-listen), scraped with curl after a known
-# workload: the counters and gauges must show exactly what was done; other
+# workload: the counters and gauges must show exactly what was done; the
+# exposition passes `promtool check metrics`; the process metrics have the
+# names, types and values Prometheus's client libraries give them; other
 # paths get 404; a port in use or a bad address stops the daemon from
 # starting; SIGTERM with the endpoint running ends the daemon with 0 (and,
 # in a sanitizer build, with no report).
@@ -16,6 +18,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 init_test metrics
 need_vars -x "an executable" BUFBROKERD BUFBROKER_CLI BB_PRODUCER BB_CONSUMER
 command -v curl >/dev/null || fail "curl is needed (apt-get install curl)"
+command -v promtool >/dev/null || fail "promtool is needed (apt-get install prometheus)"
 
 UID_NOW=$(id -u)
 # Nothing from /etc/bufbroker may change the limits under test.
@@ -67,8 +70,58 @@ op_total() {
 	awk -v p="bufbroker_requests_total{op=\"$1\"," 'index($1, p) == 1 { s += $2 } END { print s + 0 }' <<<"$SCRAPE"
 }
 
+# gt A B / ge A B: A > B, A >= B, of decimal numbers (B may be "N - M").
+gt() { awk "BEGIN { exit !($1 > $2) }"; }
+ge() { awk "BEGIN { exit !($1 >= $2) }"; }
+
+# doc_matches WHAT: the families of $SCRAPE are those of docs/OPERATIONS.md's
+# metrics table, of the same types; every label a series has is in its row's
+# Labels (le aside); the limit values of bufbroker_refused_total are those of
+# the doc's limit table.
+DOC=${BB_SOURCE_DIR:-$(dirname "${BASH_SOURCE[0]}")/../..}/docs/OPERATIONS.md
+doc_matches() {
+	[[ -f $DOC ]] || fail "no $DOC"
+	awk -F'|' -v dir="$DIR" '
+		/^\| Metric \| Type \| Labels \|/ { t = "m"; next }
+		/^\| `limit` \| Flag \|/ { t = "l"; next }
+		!/^\|/ { t = ""; next }
+		/^\|---/ || !t { next }
+		{ name = $2; gsub(/[ `]/, "", name) }
+		t == "m" {
+			type = $3; gsub(/ /, "", type)
+			print name, type > (dir "/doc_metrics")
+			rest = $4
+			while (match(rest, /`[a-z_]+`/)) {
+				print name, substr(rest, RSTART + 1, RLENGTH - 2) > (dir "/doc_labels")
+				rest = substr(rest, RSTART + RLENGTH)
+			}
+		}
+		t == "l" { print name > (dir "/doc_limits") }' "$DOC"
+	sort -o "$DIR/doc_metrics" "$DIR/doc_metrics"
+	sort -u -o "$DIR/doc_labels" "$DIR/doc_labels"
+	sort -o "$DIR/doc_limits" "$DIR/doc_limits"
+	awk '/^# TYPE / { print $3, $4 }' <<<"$SCRAPE" | sort >"$DIR/got_metrics"
+	diff "$DIR/doc_metrics" "$DIR/got_metrics" >"$DIR/diff" ||
+		fail "$1: the families served (>) and OPERATIONS.md's table (<) differ: $(cat "$DIR/diff")"
+	awk '/^# TYPE / { t[$3] = $4; next } /^#/ { next }
+	     { n = $1; sub(/\{.*/, "", n); b = n; sub(/_(bucket|sum|count)$/, "", b)
+	       if ((b in t) && t[b] == "histogram") n = b
+	       rest = $1
+	       while (match(rest, /[a-z_]+="/)) {
+	         l = substr(rest, RSTART, RLENGTH - 2)
+	         if (l != "le") print n, l
+	         rest = substr(rest, RSTART + RLENGTH) } }' <<<"$SCRAPE" | sort -u >"$DIR/got_labels"
+	comm -23 "$DIR/got_labels" "$DIR/doc_labels" >"$DIR/diff"
+	[[ ! -s $DIR/diff ]] || fail "$1: labels OPERATIONS.md does not list: $(cat "$DIR/diff")"
+	sed -n 's/^bufbroker_refused_total{limit="\([^"]*\)"}.*/\1/p' <<<"$SCRAPE" | sort >"$DIR/got_limits"
+	diff "$DIR/doc_limits" "$DIR/got_limits" >"$DIR/diff" ||
+		fail "$1: the limit labels served (>) and OPERATIONS.md's limit table (<) differ: $(cat "$DIR/diff")"
+}
+
 STEP="start the daemon with the endpoint"
+BEFORE_START=$(date +%s.%N)
 start_daemon "$LOG" --uid-buffers 2 --token-ttl 120000 --metrics-listen 127.0.0.1:0
+AFTER_START=$(date +%s.%N)
 
 STEP="an idle scrape"
 scrape
@@ -92,9 +145,12 @@ done
 # is the daemon's soft RLIMIT_NOFILE; the open fds are counted while the
 # scrape's own connection is open (1 or 2 more than now, as the endpoint
 # may still hold it).
-for name in process_open_fds process_max_fds; do
+for name_type in process_open_fds:gauge process_max_fds:gauge \
+	process_resident_memory_bytes:gauge process_virtual_memory_bytes:gauge \
+	process_start_time_seconds:gauge process_cpu_seconds_total:counter; do
+	name=${name_type%:*}
 	grep -q "^# HELP $name " <<<"$SCRAPE" || fail "no HELP line for $name"
-	grep -q "^# TYPE $name gauge$" <<<"$SCRAPE" || fail "no TYPE line for $name"
+	grep -q "^# TYPE $name ${name_type#*:}$" <<<"$SCRAPE" || fail "no TYPE line '$name ${name_type#*:}'"
 done
 expect 'process_max_fds' "$(awk '/^Max open files/ { print $4 }' "/proc/$DPID/limits")"
 open_fds=$(value process_open_fds)
@@ -103,6 +159,23 @@ now_fds=$(find "/proc/$DPID/fd" -mindepth 1 -maxdepth 1 | wc -l)
 	fail "process_open_fds is $open_fds; the daemon has $now_fds open after the scrape"
 expect 'bufbroker_refused_total{limit="host_buffers"}' 0
 expect 'bufbroker_refused_total{limit="open_files"}' 0
+expect 'bufbroker_refused_total{limit="uid_cuda_bytes"}' 0
+# The start time, unix seconds from the kernel's boot time (whole seconds,
+# rounded down: up to 1 s early) and the process's start in clock ticks.
+start=$(value process_start_time_seconds)
+ge "$start" "$BEFORE_START - 1" && ge "$AFTER_START" "$start" ||
+	fail "process_start_time_seconds is $start; the daemon started between $BEFORE_START and $AFTER_START"
+rss=$(value process_resident_memory_bytes) vsz=$(value process_virtual_memory_bytes)
+[[ $rss =~ ^[0-9]+$ && $rss -gt 0 ]] || fail "process_resident_memory_bytes is $rss"
+[[ $vsz =~ ^[0-9]+$ && $vsz -ge $rss ]] ||
+	fail "process_virtual_memory_bytes is $vsz, less than the resident $rss"
+# The daemon's own view of its resident set, in kB (/proc/PID/status), is
+# the same pages give or take what the scrape itself touched.
+rss_kb=$(awk '/^VmRSS:/ { print $2 }' "/proc/$DPID/status")
+((rss > rss_kb * 1024 / 2 && rss < rss_kb * 1024 * 2)) ||
+	fail "process_resident_memory_bytes is $rss; /proc/$DPID/status says VmRSS $rss_kb kB"
+promtool check metrics <<<"$SCRAPE" >"$DIR/promtool" 2>&1 ||
+	fail "promtool check metrics: $(cat "$DIR/promtool")"
 awk '/^# TYPE / { t[$3] = $4; next } /^#/ { next }
      { n = $1; sub(/\{.*/, "", n); b = n; sub(/_(bucket|sum|count)$/, "", b)
        if (!(n in t) && !((b in t) && t[b] == "histogram")) { print n; bad = 1 } }
@@ -152,6 +225,9 @@ expect 'bufbroker_host_memfds_total{source="new"}' 2
 expect 'bufbroker_host_memfds_total{source="reused"}' 1
 expect 'bufbroker_host_pooled_memfds' 0
 
+STEP="docs/OPERATIONS.md lists what is served"
+doc_matches "host buffers"
+
 STEP="histogram counts match the requests"
 for op in hello alloc take adopt stat; do
 	want=$(op_total "$op")
@@ -165,6 +241,24 @@ done
 expect 'bufbroker_request_duration_seconds_count{op="alloc"}' 4
 # Four producers, the consumer and the CLI said Hello.
 expect 'bufbroker_requests_total{op="hello",status="OK"}' 6
+
+STEP="process_cpu_seconds_total grows as the daemon works"
+cpu0=$(value process_cpu_seconds_total)
+[[ $cpu0 =~ ^[0-9]+(\.[0-9]+)?$ ]] || fail "process_cpu_seconds_total is $cpu0"
+# The kernel counts CPU time in clock ticks (10 ms): keep the daemon busy
+# until it has spent one more, for at most 30 s (times $BBT_SLOW).
+deadline=$((SECONDS + 30 * ${BBT_SLOW:-1}))
+cpu=$cpu0
+while ! gt "$cpu" "$cpu0"; do
+	((SECONDS < deadline)) || fail "process_cpu_seconds_total stayed at $cpu0 for 30 s of requests"
+	for _ in 1 2 3 4 5 6 7 8 9 10; do cli status >/dev/null; done
+	scrape
+	cpu=$(value process_cpu_seconds_total)
+done
+ticks=$(awk '{ sub(/.*\) /, ""); print $12 + $13 }' "/proc/$DPID/stat")
+hz=$(getconf CLK_TCK)
+ge "$ticks / $hz" "$cpu" ||
+	fail "process_cpu_seconds_total is $cpu, more than /proc/$DPID/stat's $ticks ticks at $hz Hz"
 
 STEP="other paths and methods"
 code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/")
@@ -248,7 +342,7 @@ if [[ -n ${BB_FAKECUDA:-} && -n ${BB_BUILD_DIR:-} && -n ${BB_SOURCE_DIR:-} ]]; t
 	# start_daemon passes --no-cuda: this one is started by hand.
 	"$BUFBROKERD" --config "$NOCONF" --socket "$SOCK" --metrics-listen 127.0.0.1:0 \
 		--token-ttl 120000 --cuda-slab-bytes 2M --cuda-cache-bytes 0 \
-		--cuda-device-bytes 8M >"$LOGC" 2>&1 &
+		--cuda-device-bytes 8M --uid-cuda-bytes 32M >"$LOGC" 2>&1 &
 	DPID=$!
 	for _ in $(seq 500); do
 		[[ -S $SOCK ]] && grep -q "event=metrics_listening" "$LOGC" && break
@@ -259,7 +353,7 @@ if [[ -n ${BB_FAKECUDA:-} && -n ${BB_BUILD_DIR:-} && -n ${BB_SOURCE_DIR:-} ]]; t
 	uuid=$(sed -n 's/.*event=cuda_device ordinal=0 .*uuid=\(GPU-[0-9a-f-]*\).*/\1/p' "$LOGC")
 	[[ -n $uuid ]] || fail "no cuda_device line: $(cat "$LOGC")"
 	# A 1 MiB CUDA buffer left alive by its token, then 16 MiB over the
-	# 8 MiB device limit.
+	# 8 MiB device limit, then 40 MiB over the uid's 32 MiB of CUDA buffers.
 	PY_ASAN=$(ldd "$BB_BUILD_DIR/libbufbroker.so.0" | awk '/libasan\.so/ { print $3; exit }')
 	PYTHONPATH=$BB_SOURCE_DIR/python BUFBROKER_LIBRARY=$BB_BUILD_DIR/libbufbroker.so.0 \
 		PYTHONDONTWRITEBYTECODE=1 LD_PRELOAD=$PY_ASAN ASAN_OPTIONS=detect_leaks=0 \
@@ -273,6 +367,12 @@ try:
     sys.exit("16 MiB over an 8 MiB device limit was granted")
 except bufbroker.NoMemory:
     pass
+try:
+    c.alloc(40 << 20, kind="cuda")
+    sys.exit("40 MiB over a uid's 32 MiB of CUDA buffers was granted")
+except bufbroker.NoMemory as e:
+    if "--uid-cuda-bytes" not in str(e):
+        sys.exit("refused, but not by --uid-cuda-bytes: %s" % e)
 PYEOF
 	scrape
 	dev="device=\"0\",uuid=\"$uuid\""
@@ -285,11 +385,15 @@ PYEOF
 	expect 'bufbroker_buffer_bytes{kind="cuda"}' $((1 << 20))
 	expect "bufbroker_uid_bytes{uid=\"$UID_NOW\",kind=\"cuda\"}" $((1 << 20))
 	expect 'bufbroker_refused_total{limit="device_bytes"}' 1
+	# The per-uid CUDA limit has a label of its own; uid_bytes is the host one.
+	expect 'bufbroker_refused_total{limit="uid_cuda_bytes"}' 1
+	expect 'bufbroker_refused_total{limit="uid_bytes"}' 0
 	# The first alloc parked while its slab was made: counted once, when answered.
 	expect 'bufbroker_requests_total{op="alloc",status="OK"}' 1
-	expect 'bufbroker_requests_total{op="alloc",status="NO_MEMORY"}' 1
-	expect 'bufbroker_request_duration_seconds_count{op="alloc"}' 2
+	expect 'bufbroker_requests_total{op="alloc",status="NO_MEMORY"}' 2
+	expect 'bufbroker_request_duration_seconds_count{op="alloc"}' 3
 	expect 'bufbroker_parked_allocs' 0
+	doc_matches "CUDA buffers"
 	LOG=$LOGC stop_daemon
 	unset BUFBROKER_CUDA_LIBRARY FAKECUDA_NAMESPACE FAKECUDA_DEVICES FAKECUDA_MEMORY
 else

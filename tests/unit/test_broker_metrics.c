@@ -42,13 +42,13 @@ static broker *new_broker(const broker_limits *l)
 	broker *b = broker_new(&cfg);
 	cr_assert_not_null(b);
 	broker_set_backend(b, BB_HOST, &heap, NULL);
+	broker_set_backend(b, BB_CUDA, &heap, NULL);
 	return b;
 }
 
-static uint64_t alloc_host(broker *b, broker_conn *c, uint64_t size, int *rc)
+static uint64_t alloc_kind(broker *b, broker_conn *c, bb_kind kind, uint64_t size, int *rc)
 {
-	broker_alloc_req req = {
-		.size = size, .kind = BB_HOST, .share = BB_SHARE_UID, .import_fd = -1};
+	broker_alloc_req req = {.size = size, .kind = kind, .share = BB_SHARE_UID, .import_fd = -1};
 	broker_buf *buf = NULL;
 	broker_error err;
 	broker_info info;
@@ -57,6 +57,11 @@ static uint64_t alloc_host(broker *b, broker_conn *c, uint64_t size, int *rc)
 		return 0;
 	broker_buf_info(b, buf, c, &info);
 	return info.id;
+}
+
+static uint64_t alloc_host(broker *b, broker_conn *c, uint64_t size, int *rc)
+{
+	return alloc_kind(b, c, BB_HOST, size, rc);
 }
 
 static void noop_wake(broker_waiter *w, int code, bb_state state, const char *error)
@@ -71,6 +76,7 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 	l.connections = 2;
 	l.uid_buffers = 2;
 	l.uid_bytes[BB_HOST] = 1000;
+	l.uid_bytes[BB_CUDA] = 1000;
 	l.conn_tokens = 1;
 	l.uid_tokens = 1;
 	l.conn_waits = 1;
@@ -88,6 +94,8 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 	cr_assert_eq(rc, 0);
 	alloc_host(b, a, 2000, &rc);
 	cr_assert_eq(rc, BB_ERR_NO_MEMORY, "2000 bytes are over uid_bytes 1000");
+	alloc_kind(b, a, BB_CUDA, 3000, &rc);
+	cr_assert_eq(rc, BB_ERR_NO_MEMORY, "3000 CUDA bytes are over uid_bytes[BB_CUDA] 1000");
 	uint64_t id2 = alloc_host(b, a, 100, &rc);
 	cr_assert_eq(rc, 0);
 	alloc_host(b, a2, 100, &rc);
@@ -125,7 +133,8 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 
 	broker_totals_get(b, &t);
 	cr_assert_eq(t.refused[BROKER_LIMIT_CONNECTIONS], 1);
-	cr_assert_eq(t.refused[BROKER_LIMIT_UID_BYTES], 1);
+	cr_assert_eq(t.refused[BROKER_LIMIT_UID_BYTES], 1, "the host byte limit refused once");
+	cr_assert_eq(t.refused[BROKER_LIMIT_UID_CUDA_BYTES], 1, "the CUDA byte limit refused once");
 	cr_assert_eq(t.refused[BROKER_LIMIT_UID_BUFFERS], 1);
 	cr_assert_eq(t.refused[BROKER_LIMIT_CONN_TOKENS], 1);
 	cr_assert_eq(t.refused[BROKER_LIMIT_CONN_WAITS], 1);
@@ -145,6 +154,11 @@ Test(broker_metrics, each_limit_refusal_is_counted_once_under_its_name)
 	{                                                     \
 		limit, #field, offsetof(broker_limits, field) \
 	}
+/* A limit on one kind's entry of an array field, under its own name. */
+#define LIMIT_KIND_FIELD(limit, name, field, kind)                \
+	{                                                         \
+		limit, name, offsetof(broker_limits, field[kind]) \
+	}
 
 Test(broker_metrics, limit_names_match_the_limits_fields)
 {
@@ -160,6 +174,8 @@ Test(broker_metrics, limit_names_match_the_limits_fields)
 		LIMIT_FIELD(BROKER_LIMIT_CONN_WAITS, conn_waits),
 		LIMIT_FIELD(BROKER_LIMIT_UID_TOKENS, uid_tokens),
 		LIMIT_FIELD(BROKER_LIMIT_HOST_BUFFERS, host_buffers),
+		/* The config key's name ([limits] uid_cuda_bytes, --uid-cuda-bytes). */
+		LIMIT_KIND_FIELD(BROKER_LIMIT_UID_CUDA_BYTES, "uid_cuda_bytes", uid_bytes, BB_CUDA),
 	};
 	size_t n = sizeof(fields) / sizeof(fields[0]);
 	bool seen[BROKER_LIMIT_COUNT] = {false};
