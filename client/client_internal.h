@@ -19,6 +19,11 @@
 int bbc_call(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker__Response **resp, int *fd_in);
 void bbc_response_free(Bufbroker__Response *r);
 
+/* The socket bb_connect(NULL, ...) uses: $BUFBROKER_SOCKET, else
+ * $XDG_RUNTIME_DIR/bufbroker.sock when it exists and the caller is not root,
+ * else the system socket. Written into buf (len bytes) when it is built. */
+const char *bbc_default_socket(char *buf, size_t len);
+
 /* Record a failure for bb_last_error() on this thread; returns code. */
 int bbc_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

@@ -39,8 +39,7 @@ static void client_free(bb_client *c)
 	free(c);
 }
 
-/* The socket to use when the caller names none, in buf (len bytes). */
-static const char *default_socket(char *buf, size_t len)
+const char *bbc_default_socket(char *buf, size_t len)
 {
 	const char *env = getenv("BUFBROKER_SOCKET");
 	const char *xdg;
@@ -110,7 +109,7 @@ BB_EXPORT int bb_connect(const char *path, bb_client **out)
 	if (path && !path[0])
 		return bbc_fail(BB_ERR_INVALID, "bb_connect: the socket path is empty");
 	if (!path)
-		path = default_socket(dflt, sizeof(dflt));
+		path = bbc_default_socket(dflt, sizeof(dflt));
 	len = strlen(path);
 	if (len >= sizeof(sa.sun_path))
 		return bbc_fail(BB_ERR_INVALID,

@@ -1,25 +1,29 @@
 /*
  * bufbroker: the operator's view of a running bufbrokerd.
  *
- *   bufbroker [--socket PATH] [--json] status
- *   bufbroker [--socket PATH] [--json] ls [--uid UID] [--name GLOB] [--state STATE] [--kind KIND]
- *   bufbroker [--socket PATH] [--json] stat ID | NAME | --id ID | --name NAME
- *   bufbroker [--socket PATH] [--json] clients
- *   bufbroker [--socket PATH] top [-n N]
- *   bufbroker [--socket PATH] [--json] check
+ *   bufbroker [-s PATH] [--json] status
+ *   bufbroker [-s PATH] [--json] ls [--uid UID] [--name GLOB] [--state STATE] [--kind KIND]
+ *   bufbroker [-s PATH] [--json] stat ID | NAME | --id ID | --name NAME
+ *   bufbroker [-s PATH] [--json] clients
+ *   bufbroker [-s PATH] top [-n N]
+ *   bufbroker [-s PATH] [--json] check
+ *   bufbroker help [COMMAND]  (or COMMAND --help)
  *
  * The public API has no List, ServerStatus, Stat by name, Clients or Check,
  * so this tool speaks the wire protocol through the library's raw request
  * path (bbc_call). Human output is for people and may change; the --json output
  * (one object per command, on one line) is the interface for scripts.
  *
- * Exit status: 0 success, 1 the daemon (or the connection to it) failed,
- * 2 the command line is wrong.
+ * Exit status (exit_help): 0 success, 1 the daemon answered with an error,
+ * 2 the command line is wrong, 3 the daemon could not be reached, 4 no such
+ * buffer.
  */
 #include <errno.h>
 #include <fnmatch.h>
 #include <getopt.h>
+#include <grp.h>
 #include <inttypes.h>
+#include <libgen.h>
 #include <poll.h>
 #include <pwd.h>
 #include <signal.h>
@@ -29,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <termios.h>
 #include <time.h>
 #include <unistd.h>
@@ -40,12 +45,18 @@
 #include "kinds.h"
 #include "wire.h"
 
-enum { EXIT_DAEMON = 1, EXIT_USAGE = 2 };
+enum {
+	EXIT_DAEMON = 1,      /* the daemon answered with an error; check found a problem */
+	EXIT_USAGE = 2,       /* the command line is wrong */
+	EXIT_UNREACHABLE = 3, /* no connection to the daemon, or it broke */
+	EXIT_NOT_FOUND = 4,   /* no buffer of that id or name (that this user may see) */
+};
 
 /* The command line, once parsed. */
 struct cli {
-	const char *socket;    /* --socket; NULL: the library's default */
+	const char *socket;    /* -s, --socket; NULL: the library's default */
 	bool json;             /* --json */
+	bool help;             /* -h, --help: print the command's help (or the overview) */
 	const char *command;   /* status, ls, stat, clients, top, check, help */
 	const char *target;    /* stat's positional argument, or NULL */
 	const char *id_arg;    /* stat --id */
@@ -65,40 +76,115 @@ struct ls_filter {
 	int kind;         /* --kind: a Bufbroker__Kind, or -1 */
 };
 
-static void usage(FILE *f)
+/* A command: what `bufbroker help` lists and `bufbroker help NAME` prints. */
+struct command {
+	const char *name;     /* as typed */
+	const char *args;     /* its synopsis after "bufbroker [-s PATH] " */
+	const char *summary;  /* one line for the overview */
+	const char *details;  /* its help, after the synopsis */
+	bool not_found_exits; /* it names a buffer: exit 4 when there is none */
+};
+
+static const struct command commands[] = {
+	{"status", "[--json] status",
+	 "the daemon's version, uptime, connections, totals and CUDA devices",
+	 "The daemon's version and protocol, pid, uptime, open connections (this\n"
+	 "command's own included), live buffers and bytes per kind, live tokens,\n"
+	 "parked waits, and each CUDA device it serves (or why it serves none).\n",
+	 false},
+	{"ls", "[--json] ls [--uid UID] [--name GLOB] [--state STATE] [--kind KIND]",
+	 "every buffer this user may see, filtered",
+	 "Every buffer this user may see (its share policy admits you, or you hold\n"
+	 "it; root sees all). Filters, all of which a buffer must pass:\n"
+	 "  --uid UID         owner (a number or a user name)\n"
+	 "  --name GLOB       name matching a shell pattern (unnamed buffers never do)\n"
+	 "  --state STATE     pending, ready or failed\n"
+	 "  --kind KIND       host or cuda\n",
+	 false},
+	{"stat", "[--json] stat ID | NAME | --id ID | --name NAME", "one buffer in full",
+	 "One buffer in full: what ls shows plus its tokens, owner uid and gid, share\n"
+	 "policy, age and, for a failed buffer, its error. An argument of digits\n"
+	 "only is an id, anything else a name; --id ID and --name NAME say which.\n",
+	 true},
+	{"clients", "[--json] clients", "the open connections and what each holds",
+	 "The open connections (root: all; others: their own uid's) with uid, pid,\n"
+	 "process, client name, buffers and bytes held, tokens, parked waits, age.\n",
+	 false},
+	{"top", "top [-n N]", "a live view, redrawn every second",
+	 "A live view redrawn every second: the daemon's totals and devices, the\n"
+	 "connections holding the most, the largest buffers. q or Ctrl-C quits.\n"
+	 "It has no --json form.\n"
+	 "  -n N              stop after N frames (for a log or a script)\n",
+	 false},
+	{"check", "[--json] check", "verify the daemon's reference counts and totals",
+	 "Ask the daemon to verify its reference counts and totals (root or the\n"
+	 "daemon's uid): prints ok with the totals, or each problem and exits 1.\n",
+	 false},
+	{"help", "help [COMMAND]", "this text, or a command's help",
+	 "This overview, or the help of COMMAND (as 'bufbroker COMMAND --help').\n", false},
+};
+
+#define NCOMMANDS (sizeof(commands) / sizeof(commands[0]))
+
+static const struct command *command_find(const char *name)
+{
+	for (size_t i = 0; i < NCOMMANDS; i++)
+		if (strcmp(commands[i].name, name) == 0)
+			return &commands[i];
+	return NULL;
+}
+
+/* The options every command takes. */
+static void help_options(FILE *f)
 {
 	fprintf(f,
-		"Usage: bufbroker [--socket PATH] [--json] COMMAND\n"
-		"\n"
-		"Commands:\n"
-		"  status            the daemon's version, uptime, connections, totals and\n"
-		"                    CUDA devices\n"
-		"  ls                every buffer this user may see, filtered by:\n"
-		"    --uid UID         owner (a number or a user name)\n"
-		"    --name GLOB       name matching a shell pattern (unnamed buffers never do)\n"
-		"    --state STATE     pending, ready or failed\n"
-		"    --kind KIND       host or cuda\n"
-		"  stat ID|NAME      one buffer; digits only means an id\n"
-		"  stat --id ID      one buffer by id\n"
-		"  stat --name NAME  one buffer by name\n"
-		"  clients           the open connections (root: all; others: their own uid's)\n"
-		"                    with pid, process, buffers and bytes held, tokens, waits\n"
-		"  top [-n N]        a live view, redrawn every second; q or Ctrl-C quits,\n"
-		"                    -n N stops after N frames\n"
-		"  check             verify the daemon's reference counts and totals (root or\n"
-		"                    the daemon's uid); exit 1 when something is wrong\n"
-		"  help              this text\n"
-		"\n"
 		"Options:\n"
-		"  --socket PATH     the daemon's socket; default $BUFBROKER_SOCKET, else\n"
-		"                    $XDG_RUNTIME_DIR/%s, else\n"
-		"                    %s\n"
-		"  --json            one JSON object on stdout instead of text\n"
-		"  --version         print the version and exit\n"
-		"  -h, --help        print this text and exit\n"
-		"\n"
-		"Exit status: 0 ok, 1 daemon error (or check found a problem), 2 usage error.\n",
+		"  -s, --socket PATH  the daemon's socket; default $BUFBROKER_SOCKET, else\n"
+		"                     $XDG_RUNTIME_DIR/%s, else\n"
+		"                     %s\n"
+		"  --json             one JSON object on stdout instead of text\n"
+		"  --version          print the version and exit\n"
+		"  -h, --help         print the help (of the command given) and exit\n",
 		BB_USER_SOCKET_NAME, BB_SYSTEM_SOCKET);
+}
+
+/* The exit statuses; a command that names no buffer never exits 4. */
+static void help_exit(FILE *f, bool not_found)
+{
+	fprintf(f,
+		"Exit status:\n"
+		"  0  success\n"
+		"  1  the daemon answered with an error (or check found a problem)\n"
+		"  2  the command line is wrong\n"
+		"  3  the daemon could not be reached: no socket, nobody listening, no\n"
+		"     permission, the connection refused or broken\n"
+		"%s",
+		not_found ? "  4  not found: no buffer of that id or name that you may see\n" : "");
+}
+
+/* The overview: bufbroker --help, bufbroker help. */
+static void usage(FILE *f)
+{
+	fputs("Usage: bufbroker [-s PATH] [--json] COMMAND [ARGS]\n\nCommands:\n", f);
+	for (size_t i = 0; i < NCOMMANDS; i++)
+		fprintf(f, "  %-9s %s\n", commands[i].name, commands[i].summary);
+	fputs("\n'bufbroker help COMMAND' or 'bufbroker COMMAND --help' tells more.\n\n", f);
+	help_options(f);
+	fputc('\n', f);
+	help_exit(f, true);
+}
+
+/* One command's help: bufbroker help NAME, bufbroker NAME --help. */
+static void command_help(FILE *f, const struct command *cmd)
+{
+	if (strcmp(cmd->name, "help") == 0) {
+		usage(f);
+		return;
+	}
+	fprintf(f, "Usage: bufbroker [-s PATH] %s\n\n%s\n", cmd->args, cmd->details);
+	help_options(f);
+	fputc('\n', f);
+	help_exit(f, cmd->not_found_exits);
 }
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -116,12 +202,57 @@ static int usage_error(const char *fmt, ...)
 	return EXIT_USAGE;
 }
 
+/* Say what the daemon (or the library) said; the exit status for err. */
 static int daemon_error(int err)
 {
 	const char *msg = bb_last_error();
 
 	fprintf(stderr, "bufbroker: %s\n", msg && *msg ? msg : bb_strerror(err));
-	return EXIT_DAEMON;
+	switch (err) {
+	case BB_ERR_NOT_FOUND: return EXIT_NOT_FOUND;
+	case BB_ERR_DISCONNECTED: return EXIT_UNREACHABLE;
+	default: return EXIT_DAEMON;
+	}
+}
+
+/* The socket at path refused this user: who may use it, and how to join
+ * them. The socket's group (its directory's when the socket cannot be
+ * seen); a packaged daemon gives it to the group bufbroker. */
+static void socket_denied_hint(const char *path)
+{
+	char dir[4096];
+	struct stat st;
+	const struct group *g = NULL;
+
+	snprintf(dir, sizeof(dir), "%s", path);
+	if (stat(path, &st) == 0 || stat(dirname(dir), &st) == 0)
+		g = st.st_gid != 0 ? getgrgid(st.st_gid) : NULL;
+	if (g)
+		fprintf(stderr,
+			"bufbroker: hint: the socket is for the members of the group '%s'; join it\n"
+			"  with 'sudo usermod -aG %s $USER', then log in again (or run 'newgrp %s')\n",
+			g->gr_name, g->gr_name, g->gr_name);
+	else
+		fprintf(stderr,
+			"bufbroker: hint: only root may use this socket; a packaged bufbrokerd gives\n"
+			"  it to the group 'bufbroker' (--socket-group): join it with\n"
+			"  'sudo usermod -aG bufbroker $USER', then log in again\n");
+}
+
+/* bb_connect to path (NULL: the default) failed with err: say why, with a
+ * hint when the socket's permissions refused this user. */
+static int connect_error(int err, const char *path)
+{
+	char dflt[4096];
+
+	daemon_error(err);
+	if (!path)
+		path = bbc_default_socket(dflt, sizeof(dflt));
+	/* DENIED also answers a peer no allow-list admits: that is the
+	 * daemon's word, and the socket was writable. */
+	if (err == BB_ERR_DENIED && access(path, W_OK) != 0 && errno == EACCES)
+		socket_denied_hint(path);
+	return EXIT_UNREACHABLE;
 }
 
 /* daemon_error for an op added in protocol minor 1: an older daemon does
@@ -1200,8 +1331,9 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 
 	opterr = 0; /* our own messages, without getopt's argv[0] prefix */
 	/* Options may come before or after the command. */
-	while ((opt = getopt_long(argc, argv, ":hn:", longopts, NULL)) != -1) {
+	while ((opt = getopt_long(argc, argv, ":hn:s:", longopts, NULL)) != -1) {
 		switch (opt) {
+		case 's':
 		case OPT_SOCKET: cli->socket = optarg; break;
 		case OPT_JSON: cli->json = true; break;
 		case OPT_ID: cli->id_arg = optarg; break;
@@ -1210,7 +1342,7 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 		case OPT_STATE: cli->state_arg = optarg; break;
 		case OPT_KIND: cli->kind_arg = optarg; break;
 		case 'n': cli->count_arg = optarg; break;
-		case 'h': usage(stdout); return -1;
+		case 'h': cli->help = true; break;
 		case OPT_VERSION:
 			printf("bufbroker %s (protocol %d.%d)\n", BB_VERSION_STRING, BB_PROTO_MAJOR,
 			       BB_PROTO_MINOR);
@@ -1223,13 +1355,35 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 			return usage_error("unknown option '%s'", argv[optind - 1]);
 		}
 	}
+	/* --help: the command's help, whatever else the line says. */
+	if (cli->help && optind >= argc) {
+		usage(stdout);
+		return -1;
+	}
 	if (optind >= argc)
 		return usage_error("no command given");
 	cli->command = argv[optind++];
+	const struct command *cmd = command_find(cli->command);
+	if (!cmd)
+		return usage_error("unknown command '%s'", cli->command);
+	if (cli->help) {
+		command_help(stdout, cmd);
+		return -1;
+	}
 	if (optind < argc)
 		cli->target = argv[optind++];
 	if (optind < argc)
 		return usage_error("unexpected argument '%s'", argv[optind]);
+	if (strcmp(cli->command, "help") == 0) {
+		if (!cli->target) {
+			usage(stdout);
+			return -1;
+		}
+		if (!(cmd = command_find(cli->target)))
+			return usage_error("no help for '%s': it is not a command", cli->target);
+		command_help(stdout, cmd);
+		return -1;
+	}
 
 	bool is_stat = strcmp(cli->command, "stat") == 0, is_ls = strcmp(cli->command, "ls") == 0;
 	if (!is_stat) {
@@ -1345,25 +1499,18 @@ int main(int argc, char **argv)
 	rc = parse_args(argc, argv, &cli);
 	if (rc)
 		return rc < 0 ? 0 : rc;
-	if (strcmp(cli.command, "help") == 0) {
-		usage(stdout);
-		return 0;
-	}
 	if (strcmp(cli.command, "stat") == 0)
 		rc = stat_target(&cli, &id, &name);
 	else if (strcmp(cli.command, "ls") == 0)
 		rc = ls_filter_parse(&cli, &filter);
 	else if (strcmp(cli.command, "top") == 0)
 		rc = top_frames_parse(&cli, &frames);
-	else if (strcmp(cli.command, "status") != 0 && strcmp(cli.command, "clients") != 0 &&
-		 strcmp(cli.command, "check") != 0)
-		return usage_error("unknown command '%s'", cli.command);
 	if (rc)
 		return rc;
 
 	err = bb_connect(cli.socket, &c);
 	if (err)
-		return daemon_error(err);
+		return connect_error(err, cli.socket);
 	if (strcmp(cli.command, "status") == 0)
 		rc = cmd_status(c, cli.json);
 	else if (strcmp(cli.command, "ls") == 0)

@@ -60,7 +60,7 @@ grep -q "verified 65536 bytes" <<<"$out" || fail "bb-consumer did not verify the
 STEP="the adopted buffer is freed"
 rc=0
 cli stat bbt-example >/dev/null 2>"$DIR/err" || rc=$?
-[[ $rc -eq 1 ]] || fail "stat of a freed buffer exited $rc, want 1"
+[[ $rc -eq 4 ]] || fail "stat of a freed buffer exited $rc, want 4 (not found)"
 [[ -s $DIR/err ]] || fail "stat of a freed buffer printed no error"
 cli --json ls | json_check "ls --json after the consumer" "d['buffers'] == []"
 cli --json status | json_check "status --json after the consumer" "d['kinds']['host']['buffers'] == 0 and d['tokens'] == 0"
@@ -89,7 +89,7 @@ rc=0 rc2=0
 cli bogus-command >/dev/null 2>&1 || rc=$?
 timeout 10 "$BUFBROKER_CLI" --socket "$DIR/missing.sock" status >/dev/null 2>&1 || rc2=$?
 [[ $rc -eq 2 ]] || fail "an unknown command exited $rc, want 2"
-[[ $rc2 -eq 1 ]] || fail "status on a missing socket exited $rc2, want 1"
+[[ $rc2 -eq 3 ]] || fail "status on a missing socket exited $rc2, want 3 (unreachable)"
 
 STEP="SIGTERM"
 sigterm_daemon

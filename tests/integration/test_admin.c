@@ -27,7 +27,9 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <termios.h>
 #include <unistd.h>
@@ -105,9 +107,10 @@ typedef struct cli_run {
 	char err[4096];    /* stderr */
 } cli_run;
 
-/* Run $BUFBROKER_CLI --socket SOCK ARGS... (NULL-terminated), as uid
- * unless it is (uid_t)-1. Asserts that it could be started. */
-static cli_run *cli_as(const bbt_daemon *d, uid_t uid, const char *arg0, ...)
+/* Run $BUFBROKER_CLI --socket SOCK ARGS... (NULL-terminated; no --socket
+ * when sock is NULL), as uid unless it is (uid_t)-1. Asserts that it could
+ * be started. */
+static cli_run *cli_as(const char *sock, uid_t uid, const char *arg0, ...)
 {
 	const char *cli = getenv("BUFBROKER_CLI");
 	const char *argv[24];
@@ -116,8 +119,10 @@ static cli_run *cli_as(const bbt_daemon *d, uid_t uid, const char *arg0, ...)
 
 	cr_assert(cli && cli[0], "BUFBROKER_CLI must name the built bufbroker (ctest sets it)");
 	argv[n++] = cli;
-	argv[n++] = "--socket";
-	argv[n++] = d->sock;
+	if (sock) {
+		argv[n++] = "--socket";
+		argv[n++] = sock;
+	}
 	va_start(ap, arg0);
 	for (const char *a = arg0; a; a = va_arg(ap, const char *)) {
 		cr_assert(n < 23);
@@ -179,8 +184,9 @@ static cli_run *cli_as(const bbt_daemon *d, uid_t uid, const char *arg0, ...)
 	return r;
 }
 
-#define cli(d, ...) cli_as(d, (uid_t)-1, __VA_ARGS__, NULL)
-#define cli_nobody(d, ...) cli_as(d, NOBODY, __VA_ARGS__, NULL)
+#define cli(d, ...) cli_as((d)->sock, (uid_t)-1, __VA_ARGS__, NULL)
+#define cli_nobody(d, ...) cli_as((d)->sock, NOBODY, __VA_ARGS__, NULL)
+#define cli_at(sock, ...) cli_as(sock, (uid_t)-1, __VA_ARGS__, NULL)
 
 #define assert_ran(r, want, what)                                                          \
 	cr_assert_eq((r)->rc, want, "%s exited %d, want %d\nstdout: %s\nstderr: %s", what, \
@@ -942,6 +948,238 @@ Test(admin, check_by_another_uid_is_denied)
 	/* What nobody may do still works. */
 	r = cli_nobody(d, "clients");
 	assert_ran(r, 0, "clients as nobody");
+	free(r);
+	bbt_stop_clean(d);
+}
+
+/* ---- help, exit statuses, options ------------------------------------------- */
+
+/* The CLI's exit statuses (its --help and bufbroker(1) say the same). */
+#define CLI_DAEMON_ERROR 1
+#define CLI_USAGE 2
+#define CLI_UNREACHABLE 3
+#define CLI_NOT_FOUND 4
+
+/* Nothing listens here: help must not need a daemon. */
+#define NO_DAEMON "/nonexistent-bbt-dir/bb.sock"
+
+Test(admin, help_of_each_command_by_help_flag_h_and_help_command)
+{
+	static const struct {
+		const char *name; /* the command */
+		const char *has;  /* something only its help says */
+	} cmds[] = {
+		{"status", "CUDA device"},   {"ls", "--state STATE"}, {"stat", "--name NAME"},
+		{"clients", "parked waits"}, {"top", "-n N"},         {"check", "reference counts"},
+	};
+
+	cli_run *o1 = cli_at(NO_DAEMON, "--help");
+	cli_run *o2 = cli_at(NO_DAEMON, "-h");
+	cli_run *o3 = cli_at(NO_DAEMON, "help");
+	assert_ran(o1, 0, "--help");
+	assert_ran(o2, 0, "-h");
+	assert_ran(o3, 0, "help");
+	cr_assert_str_eq(o1->out, o2->out, "-h and --help print the same");
+	cr_assert_str_eq(o1->out, o3->out, "help and --help print the same");
+	cr_assert(strncmp(o1->out, "Usage: bufbroker [-s PATH]", 26) == 0, "%s", o1->out);
+	for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
+		char line[32];
+		snprintf(line, sizeof(line), "\n  %s ", cmds[i].name);
+		cr_assert(strstr(o1->out, line), "the overview lists %s:\n%s", cmds[i].name,
+			  o1->out);
+	}
+	cr_assert(strstr(o1->out, "  3  the daemon could not be reached"), "%s", o1->out);
+	cr_assert(strstr(o1->out, "  4  not found"), "%s", o1->out);
+
+	for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
+		const char *name = cmds[i].name;
+		char usage[96];
+		cli_run *a = cli_at(NO_DAEMON, name, "--help");
+		cli_run *b = cli_at(NO_DAEMON, name, "-h");
+		cli_run *c = cli_at(NO_DAEMON, "help", name);
+		cli_run *d = cli_at(NO_DAEMON, "-h", name);
+		assert_ran(a, 0, name);
+		assert_ran(b, 0, name);
+		assert_ran(c, 0, name);
+		assert_ran(d, 0, name);
+		cr_assert_str_eq(a->err, "", "%s --help: nothing on stderr", name);
+		cr_assert_str_eq(a->out, b->out, "%s: -h and --help print the same", name);
+		cr_assert_str_eq(a->out, c->out, "help %s and %s --help print the same", name,
+				 name);
+		cr_assert_str_eq(a->out, d->out, "-h %s and %s --help print the same", name, name);
+		cr_assert_str_neq(a->out, o1->out, "%s --help is not the overview", name);
+		/* Its synopsis first, then what only it has. */
+		const char *first = strchr(a->out, '\n');
+		snprintf(usage, sizeof(usage), " %s", name);
+		cr_assert(strncmp(a->out, "Usage: bufbroker [-s PATH] ", 27) == 0 && first &&
+				  strstr(a->out, usage) && strstr(a->out, usage) < first,
+			  "%s --help begins with its synopsis:\n%s", name, a->out);
+		cr_assert(strstr(a->out, cmds[i].has), "%s --help says '%s':\n%s", name,
+			  cmds[i].has, a->out);
+		cr_assert(strstr(a->out, "-s, --socket PATH"), "%s", a->out);
+		cr_assert(strstr(a->out, "  3  the daemon could not be reached"), "%s", a->out);
+		/* Only stat names a buffer that may not exist. */
+		cr_assert_eq(strstr(a->out, "  4  not found") != NULL, strcmp(name, "stat") == 0,
+			     "%s --help and exit status 4:\n%s", name, a->out);
+		free(a);
+		free(b);
+		free(c);
+		free(d);
+	}
+
+	/* Help for what is not a command is a usage error. */
+	cli_run *r = cli_at(NO_DAEMON, "help", "bogus");
+	assert_ran(r, CLI_USAGE, "help bogus");
+	cr_assert(strstr(r->err, "'bogus'"), "%s", r->err);
+	cr_assert_str_eq(r->out, "");
+	free(r);
+	r = cli_at(NO_DAEMON, "bogus", "--help");
+	assert_ran(r, CLI_USAGE, "bogus --help");
+	cr_assert(strstr(r->err, "unknown command 'bogus'"), "%s", r->err);
+	free(r);
+	r = cli_at(NO_DAEMON, "help", "ls", "stat");
+	assert_ran(r, CLI_USAGE, "help ls stat");
+	free(r);
+	free(o1);
+	free(o2);
+	free(o3);
+}
+
+Test(admin, exit_status_tells_unreachable_from_not_found_from_a_daemon_error)
+{
+	bbt_daemon *d = start_daemon();
+	char refused[256];
+
+	/* A buffer that does not exist, by id and by name: 4. */
+	cli_run *r = cli(d, "stat", "999");
+	assert_ran(r, CLI_NOT_FOUND, "stat 999");
+	cr_assert_str_eq(r->out, "", "nothing on stdout on an error");
+	cr_assert_str_neq(r->err, "", "the daemon's message on stderr");
+	free(r);
+	r = cli(d, "--json", "stat", "--name", "bbt-no-such-buffer");
+	assert_ran(r, CLI_NOT_FOUND, "--json stat --name bbt-no-such-buffer");
+	cr_assert_str_eq(r->out, "");
+	free(r);
+
+	/* Any other error the daemon answers: 1. A name that is not UTF-8
+	 * passes the CLI's checks and is the daemon's to refuse (INVALID);
+	 * check as nobody (DENIED) is in check_by_another_uid_is_denied. */
+	r = cli(d, "stat", "--name", "bbt-\xff");
+	assert_ran(r, CLI_DAEMON_ERROR, "stat --name of a name that is not UTF-8");
+	cr_assert(strstr(r->err, "UTF-8"), "%s", r->err);
+	free(r);
+	/* A bad command line: 2. */
+	r = cli(d, "ls", "--kind", "bogus");
+	assert_ran(r, CLI_USAGE, "ls --kind bogus");
+	free(r);
+
+	/* No daemon there: 3, with no socket file or with nobody listening. */
+	r = cli_at(NO_DAEMON, "status");
+	assert_ran(r, CLI_UNREACHABLE, "status on a missing socket");
+	cr_assert(strstr(r->err, "is bufbrokerd running?"), "%s", r->err);
+	cr_assert_str_eq(r->out, "");
+	free(r);
+	snprintf(refused, sizeof(refused), "%s/refused.sock", d->dir);
+	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	cr_assert_lt(strlen(refused), sizeof(sa.sun_path));
+	memcpy(sa.sun_path, refused, strlen(refused) + 1);
+	cr_assert(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+	r = cli_at(refused, "--json", "status");
+	assert_ran(r, CLI_UNREACHABLE, "status on a socket nobody listens on");
+	cr_assert_str_eq(r->out, "");
+	free(r);
+	close(fd);
+
+	/* The daemon gone: 3. */
+	bbt_stop_clean(d);
+	r = cli(d, "ls");
+	assert_ran(r, CLI_UNREACHABLE, "ls after the daemon stopped");
+	free(r);
+}
+
+Test(admin, short_s_names_the_socket_before_or_after_the_command)
+{
+	bbt_daemon *d = start_daemon();
+
+	cli_run *r = cli_at(NULL, "-s", d->sock, "--json", "status");
+	assert_ran(r, 0, "-s SOCK --json status");
+	cr_assert(strstr(r->out, "\"connections\":"), "%s", r->out);
+	free(r);
+	r = cli_at(NULL, "clients", "-s", d->sock);
+	assert_ran(r, 0, "clients -s SOCK");
+	free(r);
+	/* -s and --socket are one option: the last given counts. */
+	r = cli_at(NO_DAEMON, "-s", d->sock, "status");
+	assert_ran(r, 0, "--socket MISSING -s SOCK status");
+	free(r);
+	r = cli_at(NULL, "status", "-s");
+	assert_ran(r, CLI_USAGE, "status -s");
+	cr_assert(strstr(r->err, "'-s' needs an argument"), "%s", r->err);
+	free(r);
+	bbt_stop_clean(d);
+}
+
+/* A group for the socket that nobody (65534) is not in, or NULL. */
+static const struct group *group_for_socket(void)
+{
+	const struct group *g;
+
+	setgrent();
+	while ((g = getgrent()) != NULL) {
+		bool member = false;
+		for (char **m = g->gr_mem; *m; m++)
+			member |= strcmp(*m, "nobody") == 0;
+		if (g->gr_gid != 0 && g->gr_gid != NOBODY && !member)
+			break;
+	}
+	endgrent();
+	return g;
+}
+
+Test(admin, permission_denied_on_the_socket_hints_at_its_group)
+{
+	if (geteuid() != 0)
+		cr_skip_test("needs root to switch to another uid");
+	const struct group *g = group_for_socket();
+	cr_assert_not_null(g, "no group in /etc/group that nobody is not in");
+	char group[64], want[128];
+	snprintf(group, sizeof(group), "%s", g->gr_name);
+	const char *const args[] = {"--socket-mode", "0660", "--socket-group", group, NULL};
+	bbt_daemon *d = bbt_start(args);
+	cr_assert_eq(chmod(d->dir, 0755), 0);
+
+	cli_run *r = cli_nobody(d, "status");
+	assert_ran(r, CLI_UNREACHABLE, "status as nobody on a 0660 socket");
+	cr_assert_str_eq(r->out, "");
+	cr_assert(strstr(r->err, "Permission denied"), "%s", r->err);
+	snprintf(want, sizeof(want), "sudo usermod -aG %s $USER", group);
+	cr_assert(strstr(r->err, want), "the hint names the socket's group %s:\n%s", group, r->err);
+	cr_assert(strstr(r->err, "log in again"), "%s", r->err);
+	free(r);
+	bbt_stop_clean(d);
+
+	/* A socket of root's group: only root may use it, and the hint says how
+	 * a packaged daemon shares it. */
+	const char *const root_args[] = {"--socket-mode", "0660", NULL};
+	d = bbt_start(root_args);
+	cr_assert_eq(chmod(d->dir, 0755), 0);
+	r = cli_nobody(d, "ls");
+	assert_ran(r, CLI_UNREACHABLE, "ls as nobody on root's socket");
+	cr_assert(strstr(r->err, "only root may use this socket"), "%s", r->err);
+	cr_assert(strstr(r->err, "sudo usermod -aG bufbroker $USER"), "%s", r->err);
+	free(r);
+	bbt_stop_clean(d);
+
+	/* Refused by an allow-list, not by the socket: the daemon's word, no
+	 * hint about groups. */
+	const char *const allow_args[] = {"--socket-mode", "0666", "--allow-uids", "65533", NULL};
+	d = bbt_start(allow_args);
+	cr_assert_eq(chmod(d->dir, 0755), 0);
+	r = cli_nobody(d, "status");
+	assert_ran(r, CLI_UNREACHABLE, "status as nobody refused by --allow-uids");
+	cr_assert(strstr(r->err, "not allowed"), "%s", r->err);
+	cr_assert_null(strstr(r->err, "usermod"), "%s", r->err);
 	free(r);
 	bbt_stop_clean(d);
 }
