@@ -16,7 +16,9 @@ BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # file let cpack compute the .deb packages' Depends (scripts/package-test.sh);
 # valgrind runs the integration tests under memcheck (scripts/valgrind.sh);
 # clang-format (version 14 on Debian 12, the one .clang-format names) checks
-# the formatting (scripts/check-format.sh).
+# the formatting (scripts/check-format.sh); prometheus provides promtool,
+# which checks the metrics (tests/integration/metrics.sh) and the alert
+# rules in deploy/prometheus (tests/integration/monitoring.sh).
 BB_PACKAGES=(
 	build-essential cmake pkg-config
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
@@ -28,6 +30,7 @@ BB_PACKAGES=(
 	dpkg-dev file
 	valgrind
 	clang-format
+	prometheus
 )
 
 bb_log()
