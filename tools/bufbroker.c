@@ -187,6 +187,9 @@ static void command_help(FILE *f, const struct command *cmd)
 	help_exit(f, cmd->not_found_exits);
 }
 
+/* The command on the line once it is known, for usage_error's advice. */
+static const struct command *g_command;
+
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* Say what is wrong with the command line; returns EXIT_USAGE. */
@@ -198,7 +201,10 @@ static int usage_error(const char *fmt, ...)
 	va_start(ap, fmt);
 	vfprintf(stderr, fmt, ap);
 	va_end(ap);
-	fputs("\nTry 'bufbroker --help'.\n", stderr);
+	if (g_command && strcmp(g_command->name, "help") != 0)
+		fprintf(stderr, "\nTry 'bufbroker %s --help'.\n", g_command->name);
+	else
+		fputs("\nTry 'bufbroker --help'.\n", stderr);
 	return EXIT_USAGE;
 }
 
@@ -1366,6 +1372,7 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 	const struct command *cmd = command_find(cli->command);
 	if (!cmd)
 		return usage_error("unknown command '%s'", cli->command);
+	g_command = cmd;
 	if (cli->help) {
 		command_help(stdout, cmd);
 		return -1;

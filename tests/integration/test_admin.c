@@ -1071,6 +1071,8 @@ Test(admin, exit_status_tells_unreachable_from_not_found_from_a_daemon_error)
 	/* A bad command line: 2. */
 	r = cli(d, "ls", "--kind", "bogus");
 	assert_ran(r, CLI_USAGE, "ls --kind bogus");
+	cr_assert(strstr(r->err, "Try 'bufbroker ls --help'."), "the command's help is named: %s",
+		  r->err);
 	free(r);
 
 	/* No daemon there: 3, with no socket file or with nobody listening. */
