@@ -1139,6 +1139,19 @@ static const struct group *group_for_socket(void)
 	return g;
 }
 
+/* Start a daemon with args (its directory open to all), run `bufbroker cmd`
+ * as nobody, stop the daemon; the run, which could not reach it (exit 3). */
+static cli_run *nobody_unreachable(const char *const *args, const char *cmd)
+{
+	bbt_daemon *d = bbt_start(args);
+	cr_assert_eq(chmod(d->dir, 0755), 0);
+	cli_run *r = cli_nobody(d, cmd);
+	bbt_stop_clean(d);
+	assert_ran(r, CLI_UNREACHABLE, cmd);
+	cr_assert_str_eq(r->out, "", "nothing on stdout on an error");
+	return r;
+}
+
 Test(admin, permission_denied_on_the_socket_hints_at_its_group)
 {
 	if (geteuid() != 0)
@@ -1147,41 +1160,29 @@ Test(admin, permission_denied_on_the_socket_hints_at_its_group)
 	cr_assert_not_null(g, "no group in /etc/group that nobody is not in");
 	char group[64], want[128];
 	snprintf(group, sizeof(group), "%s", g->gr_name);
-	const char *const args[] = {"--socket-mode", "0660", "--socket-group", group, NULL};
-	bbt_daemon *d = bbt_start(args);
-	cr_assert_eq(chmod(d->dir, 0755), 0);
 
-	cli_run *r = cli_nobody(d, "status");
-	assert_ran(r, CLI_UNREACHABLE, "status as nobody on a 0660 socket");
-	cr_assert_str_eq(r->out, "");
+	/* A 0660 socket of another group. */
+	const char *const args[] = {"--socket-mode", "0660", "--socket-group", group, NULL};
+	cli_run *r = nobody_unreachable(args, "status");
 	cr_assert(strstr(r->err, "Permission denied"), "%s", r->err);
 	snprintf(want, sizeof(want), "sudo usermod -aG %s $USER", group);
 	cr_assert(strstr(r->err, want), "the hint names the socket's group %s:\n%s", group, r->err);
 	cr_assert(strstr(r->err, "log in again"), "%s", r->err);
 	free(r);
-	bbt_stop_clean(d);
 
 	/* A socket of root's group: only root may use it, and the hint says how
 	 * a packaged daemon shares it. */
 	const char *const root_args[] = {"--socket-mode", "0660", NULL};
-	d = bbt_start(root_args);
-	cr_assert_eq(chmod(d->dir, 0755), 0);
-	r = cli_nobody(d, "ls");
-	assert_ran(r, CLI_UNREACHABLE, "ls as nobody on root's socket");
+	r = nobody_unreachable(root_args, "ls");
 	cr_assert(strstr(r->err, "only root may use this socket"), "%s", r->err);
 	cr_assert(strstr(r->err, "sudo usermod -aG bufbroker $USER"), "%s", r->err);
 	free(r);
-	bbt_stop_clean(d);
 
 	/* Refused by an allow-list, not by the socket: the daemon's word, no
 	 * hint about groups. */
 	const char *const allow_args[] = {"--socket-mode", "0666", "--allow-uids", "65533", NULL};
-	d = bbt_start(allow_args);
-	cr_assert_eq(chmod(d->dir, 0755), 0);
-	r = cli_nobody(d, "status");
-	assert_ran(r, CLI_UNREACHABLE, "status as nobody refused by --allow-uids");
+	r = nobody_unreachable(allow_args, "status");
 	cr_assert(strstr(r->err, "not allowed"), "%s", r->err);
 	cr_assert_null(strstr(r->err, "usermod"), "%s", r->err);
 	free(r);
-	bbt_stop_clean(d);
 }
