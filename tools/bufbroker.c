@@ -14,7 +14,7 @@
  * path (bbc_call). Human output is for people and may change; the --json output
  * (one object per command, on one line) is the interface for scripts.
  *
- * Exit status (exit_help): 0 success, 1 the daemon answered with an error,
+ * Exit status (help_exit): 0 success, 1 the daemon answered with an error,
  * 2 the command line is wrong, 3 the daemon could not be reached, 4 no such
  * buffer.
  */
@@ -231,8 +231,9 @@ static void socket_denied_hint(const char *path)
 	const struct group *g = NULL;
 
 	snprintf(dir, sizeof(dir), "%s", path);
-	if (stat(path, &st) == 0 || stat(dirname(dir), &st) == 0)
-		g = st.st_gid != 0 ? getgrgid(st.st_gid) : NULL;
+	bool seen = stat(path, &st) == 0 || stat(dirname(dir), &st) == 0;
+	if (seen && st.st_gid != 0)
+		g = getgrgid(st.st_gid);
 	if (g)
 		fprintf(stderr,
 			"bufbroker: hint: the socket is for the members of the group '%s'; join it\n"
@@ -240,9 +241,11 @@ static void socket_denied_hint(const char *path)
 			g->gr_name, g->gr_name, g->gr_name);
 	else
 		fprintf(stderr,
-			"bufbroker: hint: only root may use this socket; a packaged bufbrokerd gives\n"
+			"bufbroker: hint: %s; a packaged bufbrokerd gives\n"
 			"  it to the group 'bufbroker' (--socket-group): join it with\n"
-			"  'sudo usermod -aG bufbroker $USER', then log in again\n");
+			"  'sudo usermod -aG bufbroker $USER', then log in again\n",
+			seen && st.st_gid == 0 ? "only root may use this socket"
+					       : "this socket is not yours to use");
 }
 
 /* bb_connect to path (NULL: the default) failed with err: say why, with a
