@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The systemd units verify, and bufbrokerd serves a socket passed by socket
 # activation (LISTEN_FDS): the producer/consumer examples and the CLI work
-# through it, and SIGTERM ends it with 0.
+# through it, and SIGTERM ends it with 0. With $NOTIFY_SOCKET it speaks the
+# sd_notify protocol as systemd's Type=notify expects: READY=1 once it
+# serves; on SIGHUP, RELOADING=1 with MONOTONIC_USEC (its CLOCK_MONOTONIC
+# time) before it reads the file and READY=1 after, whether the reload was
+# applied or not; STOPPING=1 on SIGTERM.
 #
 # ctest sets BUFBROKERD, BUFBROKER_CLI, BB_PRODUCER, BB_CONSUMER and
 # BB_SOURCE_DIR. Skips (lib.sh's skip: exit 77, a failure under CI) only
@@ -59,7 +63,106 @@ if grep -E 'bufbrokerd\.(service|socket)' <<<"$out"; then
 	fail "systemd-analyze verify complained about the units: $out"
 fi
 
-# ---- (b) socket activation ----------------------------------------------------
+# ---- (b) sd_notify: start, reload, stop ----------------------------------------
+# A stand-in for systemd's notify socket: a datagram socket whose messages
+# go to $NLOG, each followed by a line "--". It ends at STOPPING=1, or after
+# its deadline.
+find_python "listen on a notify socket"
+NSOCK=$DIR/notify.sock NLOG=$DIR/notify.log NPID=
+SLOW=${BBT_SLOW:-1}
+cleanup_notify() {
+	if [[ -n $NPID ]] && kill -0 "$NPID" 2>/dev/null; then
+		kill -TERM "$NPID" 2>/dev/null || true
+		wait "$NPID" 2>/dev/null || true
+	fi
+	cleanup
+}
+trap cleanup_notify EXIT
+"$PY" -c '
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind(sys.argv[1])
+s.settimeout(60 * int(sys.argv[3]))
+with open(sys.argv[2], "w") as log:
+    while True:
+        m = s.recv(4096).decode()
+        log.write(m.rstrip("\n") + "\n--\n")
+        log.flush()
+        if "STOPPING=1" in m.split("\n"):
+            break
+' "$NSOCK" "$NLOG" "$SLOW" &
+NPID=$!
+for _ in $(seq $((500 * SLOW))); do
+	[[ -S $NSOCK ]] && break
+	sleep 0.01
+done
+[[ -S $NSOCK ]] || fail "the notify listener made no socket"
+
+# nmsgs: how many messages $NLOG holds. wait_nmsgs N: until it holds N.
+nmsgs() { grep -c '^--$' "$NLOG" || true; }
+wait_nmsgs() {
+	for _ in $(seq $((500 * SLOW))); do
+		[[ $(nmsgs) -ge $1 ]] && return 0
+		sleep 0.01
+	done
+	fail "the daemon sent $(nmsgs) notify messages, want $1: $(cat "$NLOG")"
+}
+# msg N: the Nth message (from 1), one field a line.
+msg() { awk -v n="$1" '/^--$/ { i++; next } i == n - 1' "$NLOG"; }
+monotonic_usec() { "$PY" -c 'import time; print(time.monotonic_ns() // 1000)'; }
+
+# check_reload FIRST STATUS: messages FIRST and FIRST+1 are one reload:
+# RELOADING=1 with a MONOTONIC_USEC taken after $T0 and before $T1, then
+# READY=1 with STATUS.
+check_reload() {
+	local r first=$1 status=$2 usec
+	r=$(msg "$first")
+	grep -qx 'RELOADING=1' <<<"$r" || fail "message $first is not RELOADING=1: $r"
+	usec=$(sed -n 's/^MONOTONIC_USEC=\([0-9][0-9]*\)$/\1/p' <<<"$r")
+	[[ -n $usec ]] || fail "RELOADING=1 came without MONOTONIC_USEC=<decimal>: $r"
+	[[ $usec -ge $T0 && $usec -le $T1 ]] ||
+		fail "MONOTONIC_USEC=$usec is not the CLOCK_MONOTONIC time of the reload ($T0..$T1 µs)"
+	r=$(msg $((first + 1)))
+	grep -qx 'READY=1' <<<"$r" || fail "message $((first + 1)) is not READY=1: $r"
+	grep -qx "STATUS=$status" <<<"$r" || fail "READY=1 after the reload does not say STATUS=$status: $r"
+}
+
+STEP="sd_notify: READY=1 at start"
+LOG=$DIR/notify-daemon.log
+CONF=$DIR/bufbrokerd.conf
+printf '[limits]\nconn_waits = 100\n' >"$CONF"
+NOTIFY_SOCKET=$NSOCK start_bufbrokerd --socket "$SOCK" --config "$CONF" --no-cuda
+wait_nmsgs 1
+grep -qx 'READY=1' <<<"$(msg 1)" || fail "the first message is not READY=1: $(msg 1)"
+
+STEP="sd_notify: SIGHUP with a good file"
+printf '[limits]\nconn_waits = 200\n' >"$CONF"
+T0=$(monotonic_usec)
+kill -HUP "$DPID"
+wait_nmsgs 3
+T1=$(monotonic_usec)
+check_reload 2 serving
+grep -q 'event=config_reloaded' "$LOG" || fail "the daemon did not log the reload"
+
+STEP="sd_notify: SIGHUP with a bad file"
+printf '[limits]\nconn_waits = lots\n' >"$CONF"
+T0=$(monotonic_usec)
+kill -HUP "$DPID"
+wait_nmsgs 5
+T1=$(monotonic_usec)
+check_reload 4 "serving; the last reload failed, see the log"
+
+STEP="sd_notify: STOPPING=1 at SIGTERM"
+sigterm_daemon
+[[ $DAEMON_RC -eq 0 ]] || fail "bufbrokerd exited $DAEMON_RC after SIGTERM, want 0"
+wait_nmsgs 6
+grep -qx 'STOPPING=1' <<<"$(msg 6)" || fail "the last message is not STOPPING=1: $(msg 6)"
+wait "$NPID" || fail "the notify listener exited $?"
+NPID=
+[[ $(nmsgs) -eq 6 ]] || fail "unexpected notify messages: $(cat "$NLOG")"
+LOG=$DIR/activate.log
+
+# ---- (c) socket activation ----------------------------------------------------
 STEP="systemd-socket-activate"
 systemd-socket-activate --seqpacket -l "$SOCK" "$BUFBROKERD" >"$LOG" 2>&1 &
 DPID=$!
