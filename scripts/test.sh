@@ -5,9 +5,10 @@
 # with libFuzzer for a bounded time when clang is present (tests/fuzz/run.sh);
 # then the first build's integration tests under valgrind memcheck
 # (scripts/valgrind.sh); then, as root, build, install and purge the Debian
-# packages (scripts/package-test.sh); last, the formatting of every tracked
-# .c and .h file against .clang-format (scripts/check-format.sh). Exits
-# non-zero if anything fails.
+# packages (scripts/package-test.sh); then the systemd units
+# (scripts/check-units.sh); last, the formatting of every tracked .c and .h
+# file against .clang-format (scripts/check-format.sh). Exits non-zero if
+# anything fails.
 #
 # A step that cannot run here (no clang, no valgrind, not root, packages of
 # ours already installed, no clang-format), and a suite in which ctest
@@ -115,6 +116,14 @@ else
 	scripts/package-test.sh || pkg_rc=$?
 	bb_step "$pkg_label" "$pkg_rc"
 fi
+
+# The systemd units: `systemd-analyze verify` finds nothing to say, and
+# `systemd-analyze security` rates the service 2.0 or lower
+# (scripts/check-units.sh, against the release build's daemon).
+units_label="units (systemd-analyze verify; security of bufbrokerd.service at most 2.0)"
+units_rc=0
+scripts/check-units.sh "$BB_BUILD_DIR/bufbrokerd" || units_rc=$?
+bb_step "$units_label" "$units_rc"
 
 # Every tracked .c and .h file formatted as .clang-format says, by the
 # clang-format version it names (scripts/check-format.sh). Without that
