@@ -16,7 +16,9 @@
 # (CI=true, 1 or yes) nothing may skip: every such skip is a FAIL, and the
 # test programs themselves fail instead of skipping.
 #
-# Usage: sudo ./scripts/test.sh        (root or sudo only to install packages)
+# Usage: ./scripts/test.sh    (as any user: as root it installs missing
+#        packages itself, as another user through sudo, asked only then;
+#        the parts that need root say SKIP unless run as root)
 # Build trees: build/, build-asan/, build-fuzz/ and build-pkg/
 # (BUFBROKER_BUILD_DIR=DIR: DIR, DIR-asan, DIR-fuzz, DIR-pkg).
 set -euo pipefail
