@@ -6,7 +6,8 @@
 # then the first build's integration tests under valgrind memcheck
 # (scripts/valgrind.sh); then, as root, build, install and purge the Debian
 # packages (scripts/package-test.sh); then the systemd units
-# (scripts/check-units.sh); last, the formatting of every tracked .c and .h
+# (scripts/check-units.sh) and the Kubernetes manifests
+# (scripts/check-manifests.py); last, the formatting of every tracked .c and .h
 # file against .clang-format (scripts/check-format.sh). Exits non-zero if
 # anything fails.
 #
@@ -126,6 +127,21 @@ units_label="units (systemd-analyze verify; security of bufbrokerd.service at mo
 units_rc=0
 scripts/check-units.sh "$BB_BUILD_DIR/bufbrokerd" || units_rc=$?
 bb_step "$units_label" "$units_rc"
+
+# The Kubernetes manifests (deploy/kubernetes): YAML as yamllint wants it,
+# valid for the Kubernetes API schema offline (Debian's python3-kubernetes)
+# and within the pod rules the examples promise (scripts/check-manifests.py).
+k8s_label="manifests (deploy/kubernetes: yamllint, Kubernetes API schema, pod rules)"
+if ! command -v yamllint >/dev/null 2>&1 ||
+	! /usr/bin/python3 -c 'import kubernetes, yaml' 2>/dev/null; then
+	echo "SKIP: yamllint or python3-kubernetes is not installed"
+	bb_step "$k8s_label" 77 "" "yamllint or python3-kubernetes missing"
+else
+	k8s_rc=0
+	yamllint -s deploy/kubernetes || k8s_rc=$?
+	scripts/check-manifests.py deploy/kubernetes/*.yaml || k8s_rc=1
+	bb_step "$k8s_label" "$k8s_rc"
+fi
 
 # Every tracked .c and .h file formatted as .clang-format says, by the
 # clang-format version it names (scripts/check-format.sh). Without that
