@@ -79,27 +79,28 @@ ensure() {
 		'source "$1/scripts/lib.sh" && bb_ensure_packages' _ "$BB_SOURCE_DIR" 2>&1) || RC=$?
 }
 
+# succeeded: bb_ensure_packages exited 0. called LINE: it ran LINE.
+succeeded() { [[ $RC -eq 0 ]] || fail "bb_ensure_packages exited $RC: $OUT"; }
+called() { grep -Fqx "$1" "$CALLS" || fail "it did not run '$1' but: $(cat "$CALLS")"; }
+APT_INSTALL="apt-get install -y -q --no-install-recommends valgrind"
+
 STEP="root without sudo installs with apt-get"
 ensure 0 valgrind none
-[[ $RC -eq 0 ]] || fail "bb_ensure_packages exited $RC: $OUT"
-grep -qx 'apt-get update -q (DEBIAN_FRONTEND=noninteractive)' "$CALLS" ||
-	fail "no apt-get update: $(cat "$CALLS")"
-grep -qx 'apt-get install -y -q --no-install-recommends valgrind (DEBIAN_FRONTEND=noninteractive)' "$CALLS" ||
-	fail "no apt-get install of the missing package: $(cat "$CALLS")"
+succeeded
+called "apt-get update -q (DEBIAN_FRONTEND=noninteractive)"
+called "$APT_INSTALL (DEBIAN_FRONTEND=noninteractive)"
 
 STEP="root with sudo does not use it"
 ensure 0 valgrind sudo
-[[ $RC -eq 0 ]] || fail "bb_ensure_packages exited $RC: $OUT"
+succeeded
 grep -q '^sudo' "$CALLS" && fail "root called sudo: $(cat "$CALLS")"
-grep -q '^apt-get install .* valgrind ' "$CALLS" || fail "no apt-get install: $(cat "$CALLS")"
+called "$APT_INSTALL (DEBIAN_FRONTEND=noninteractive)"
 
 STEP="a user with sudo installs through it"
 ensure 1000 valgrind sudo
-[[ $RC -eq 0 ]] || fail "bb_ensure_packages exited $RC: $OUT"
-grep -qx 'sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q' "$CALLS" ||
-	fail "apt-get update not through sudo: $(cat "$CALLS")"
-grep -qx 'sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends valgrind' "$CALLS" ||
-	fail "apt-get install not through sudo: $(cat "$CALLS")"
+succeeded
+called "sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q"
+called "sudo env DEBIAN_FRONTEND=noninteractive $APT_INSTALL"
 
 STEP="a user without sudo is told what to run"
 ensure 1000 valgrind none
@@ -111,7 +112,7 @@ grep -q 'install them as root: apt-get install valgrind' <<<"$OUT" ||
 STEP="nothing missing: no apt-get, no sudo"
 for uid in 0 1000; do
 	ensure "$uid" "" sudo
-	[[ $RC -eq 0 ]] || fail "bb_ensure_packages exited $RC as uid $uid: $OUT"
+	succeeded
 	[[ ! -s $CALLS ]] || fail "uid $uid called something with nothing missing: $(cat "$CALLS")"
 done
 finish quickstart

@@ -53,12 +53,8 @@ DPID=$!
 wait_socket systemd-socket-activate
 
 STEP="producer and consumer through the daemon"
-tok=$(timeout 10 "$BB_PRODUCER" --socket "$SOCK" --name bbt-sandbox --size 1048576 --pattern 7) ||
-	fail "bb-producer exited $?"
-[[ $tok =~ ^[0-9a-f]{32}$ ]] || fail "bb-producer printed '$tok', not a token"
-exe=$(readlink "/proc/$DPID/exe" || true)
-[[ $exe == "$(readlink -f "$BUFBROKERD")" ]] || fail "pid $DPID runs '$exe', not bufbrokerd"
-out=$(timeout 10 "$BB_CONSUMER" --socket "$SOCK" --size 1048576 --pattern 7 "$tok") ||
+produce_activated bbt-sandbox 1048576 7
+out=$(timeout 10 "$BB_CONSUMER" --socket "$SOCK" --size 1048576 --pattern 7 "$TOK") ||
 	fail "bb-consumer exited $?"
 grep -q "verified 1048576 bytes" <<<"$out" || fail "bb-consumer: $out"
 

@@ -95,17 +95,24 @@ wait_nmsgs() {
 msg() { awk -v n="$1" '/^--$/ { i++; next } i == n - 1' "$NLOG"; }
 monotonic_usec() { "$PY" -c 'import time; print(time.monotonic_ns() // 1000)'; }
 
-# check_reload FIRST STATUS: messages FIRST and FIRST+1 are one reload:
-# RELOADING=1 with a MONOTONIC_USEC taken after $T0 and before $T1, then
-# READY=1 with STATUS.
-check_reload() {
-	local r first=$1 status=$2 usec
+# reload FILE FIRST STATUS: write FILE (printf's format) to $CONF and send
+# SIGHUP; messages FIRST and FIRST+1 must be that reload: RELOADING=1 with
+# a MONOTONIC_USEC taken between the SIGHUP and the READY=1, then READY=1
+# with STATUS.
+reload() {
+	local r first=$2 status=$3 usec t0 t1
+	# shellcheck disable=SC2059 # the file's text is the format
+	printf "$1" >"$CONF"
+	t0=$(monotonic_usec)
+	kill -HUP "$DPID"
+	wait_nmsgs $((first + 1))
+	t1=$(monotonic_usec)
 	r=$(msg "$first")
 	grep -qx 'RELOADING=1' <<<"$r" || fail "message $first is not RELOADING=1: $r"
 	usec=$(sed -n 's/^MONOTONIC_USEC=\([0-9][0-9]*\)$/\1/p' <<<"$r")
 	[[ -n $usec ]] || fail "RELOADING=1 came without MONOTONIC_USEC=<decimal>: $r"
-	[[ $usec -ge $T0 && $usec -le $T1 ]] ||
-		fail "MONOTONIC_USEC=$usec is not the CLOCK_MONOTONIC time of the reload ($T0..$T1 µs)"
+	[[ $usec -ge $t0 && $usec -le $t1 ]] ||
+		fail "MONOTONIC_USEC=$usec is not the CLOCK_MONOTONIC time of the reload ($t0..$t1 µs)"
 	r=$(msg $((first + 1)))
 	grep -qx 'READY=1' <<<"$r" || fail "message $((first + 1)) is not READY=1: $r"
 	grep -qx "STATUS=$status" <<<"$r" || fail "READY=1 after the reload does not say STATUS=$status: $r"
@@ -120,21 +127,11 @@ wait_nmsgs 1
 grep -qx 'READY=1' <<<"$(msg 1)" || fail "the first message is not READY=1: $(msg 1)"
 
 STEP="sd_notify: SIGHUP with a good file"
-printf '[limits]\nconn_waits = 200\n' >"$CONF"
-T0=$(monotonic_usec)
-kill -HUP "$DPID"
-wait_nmsgs 3
-T1=$(monotonic_usec)
-check_reload 2 serving
+reload '[limits]\nconn_waits = 200\n' 2 serving
 grep -q 'event=config_reloaded' "$LOG" || fail "the daemon did not log the reload"
 
 STEP="sd_notify: SIGHUP with a bad file"
-printf '[limits]\nconn_waits = lots\n' >"$CONF"
-T0=$(monotonic_usec)
-kill -HUP "$DPID"
-wait_nmsgs 5
-T1=$(monotonic_usec)
-check_reload 4 "serving; the last reload failed, see the log"
+reload '[limits]\nconn_waits = lots\n' 4 "serving; the last reload failed, see the log"
 
 STEP="sd_notify: STOPPING=1 at SIGTERM"
 sigterm_daemon
@@ -155,12 +152,8 @@ wait_socket systemd-socket-activate
 STEP="producer through the activated socket"
 # The first connection makes systemd-socket-activate exec bufbrokerd with
 # the listening socket as fd 3 (LISTEN_FDS=1).
-tok=$(timeout 10 "$BB_PRODUCER" --socket "$SOCK" --name bbt-activated --size 65536 --pattern 5) ||
-	fail "bb-producer exited $?"
-[[ $tok =~ ^[0-9a-f]{32}$ ]] || fail "bb-producer printed '$tok', not a token"
-exe=$(readlink "/proc/$DPID/exe" || true)
-[[ $exe == "$(readlink -f "$BUFBROKERD")" ]] ||
-	fail "pid $DPID runs '$exe', not bufbrokerd, after the first connection"
+produce_activated bbt-activated 65536 5
+tok=$TOK
 
 STEP="consumer through the activated socket"
 out=$(timeout 10 "$BB_CONSUMER" --socket "$SOCK" --size 65536 --pattern 5 "$tok") ||
