@@ -75,8 +75,9 @@ out=$(cli status) || fail "bufbroker status exited $?"
 grep -Eq "^pid +$DPID\$" <<<"$out" || fail "status does not show the daemon's pid $DPID: $out"
 port=$(sed -n 's/.*event=metrics_listening address=127\.0\.0\.1:\([0-9]*\).*/\1/p' "$LOG")
 [[ $port =~ ^[0-9]+$ ]] || fail "no metrics_listening line with a port in the log"
-curl -sS --max-time 5 "http://127.0.0.1:$port/metrics" | grep -q '^bufbroker_' ||
-	fail "the metrics endpoint did not answer"
+scrape=$(curl -sS --max-time $((10 * ${BBT_SLOW:-1})) "http://127.0.0.1:$port/metrics") ||
+	fail "curl could not scrape the metrics endpoint (exit $?)"
+grep -q '^bufbroker_' <<<"$scrape" || fail "the metrics endpoint answered no bufbroker_ metric: $scrape"
 kill -HUP "$DPID"
 for _ in $(seq 500); do
 	grep -q 'event=config_reloaded' "$LOG" && break
