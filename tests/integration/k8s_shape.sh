@@ -66,6 +66,7 @@ wait_socket
 # worker SCRIPT: run SCRIPT (bash) in new PID, IPC and mount namespaces with
 # the pod's view of the files, as uid $WORKER with group $DAEMON, with
 # BUFBROKER_SOCKET set as the pod sets it. Its output goes to stdout.
+# shellcheck disable=SC2016 # the script expands in the worker's shell
 worker() {
 	unshare --pid --ipc --mount --fork --mount-proc --propagation private \
 		env RUN="$RUN" WORKER=$WORKER DAEMON=$DAEMON SCRIPT="$1" \
@@ -87,6 +88,7 @@ exec setpriv --reuid=$WORKER --regid=$WORKER --groups=$DAEMON --inh-caps=-all \
 
 STEP="the worker's view"
 host_ipc=$(readlink /proc/self/ns/ipc)
+# shellcheck disable=SC2016 # what the worker's shell expands
 view=$(worker '
 echo "uid $(id -u) groups $(id -G)"
 echo "ipc $(readlink /proc/self/ns/ipc)"
@@ -99,8 +101,10 @@ grep -q "^CapEff:[[:space:]]*0*$" /proc/self/status || echo "has capabilities"
 ls -A /tmp /dev/shm | grep -v ":$" | grep . && echo "sees files in /tmp or /dev/shm"
 true') || fail "the worker exited $?: $view"
 grep -qx "uid $WORKER groups $WORKER $DAEMON" <<<"$view" || fail "the worker is not uid $WORKER with group $DAEMON: $view"
-grep -q "^ipc " <<<"$view" && ! grep -Fqx "ipc $host_ipc" <<<"$view" ||
+grep -q "^ipc ipc:" <<<"$view" || fail "the worker did not tell its IPC namespace: $view"
+if grep -Fqx "ipc $host_ipc" <<<"$view"; then
 	fail "the worker shares the host's IPC namespace ($host_ipc): $view"
+fi
 # In its own PID namespace the worker's shell is a low pid and sees only
 # its own few processes.
 grep -Eqx 'pid [0-9]' <<<"$view" || fail "the worker is not in a PID namespace of its own: $view"

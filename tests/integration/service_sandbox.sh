@@ -63,7 +63,7 @@ grep -q "verified 1048576 bytes" <<<"$out" || fail "bb-consumer: $out"
 STEP="the daemon's identity"
 status=/proc/$DPID/status
 nobody=$(id -u nobody)
-grep -Eq "^Uid:[[:space:]]+$nobody[[:space:]]+$nobody[[:space:]]+$nobody[[:space:]]+$nobody\$" "$status" ||
+grep -Eq "^Uid:([[:space:]]+${nobody}){4}\$" "$status" ||
 	fail "the daemon does not run as nobody: $(grep '^Uid:' "$status")"
 for cap in CapPrm CapEff CapBnd CapAmb; do
 	grep -Eq "^$cap:[[:space:]]+0+\$" "$status" || fail "the daemon has capabilities: $(grep "^$cap:" "$status")"
