@@ -4,10 +4,13 @@
  * until SIGTERM/SIGINT, then free everything and exit 0.
  */
 #include <getopt.h>
+#include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <systemd/sd-daemon.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -154,8 +157,29 @@ static size_t load(config *c, config_problems *file_probs, config_problems *flag
 	return n;
 }
 
+/* Tell systemd a reload began: RELOADING=1 with MONOTONIC_USEC, the
+ * CLOCK_MONOTONIC time in microseconds, as sd_notify(3) asks, so that the
+ * service manager holds `systemctl reload` until the READY=1 that
+ * reload_done sends. Nothing without $NOTIFY_SOCKET. */
+static void reload_begin(void)
+{
+	struct timespec now;
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	uint64_t usec = (uint64_t)now.tv_sec * 1000000u + (uint64_t)now.tv_nsec / 1000u;
+	sd_notifyf(0, "RELOADING=1\nMONOTONIC_USEC=%" PRIu64 "\nSTATUS=reloading", usec);
+}
+
+/* Tell systemd the reload is over, applied or not: the daemon serves either
+ * way, and STATUS= says which (systemctl status shows it). */
+static void reload_done(bool applied)
+{
+	sd_notify(0, applied ? "READY=1\nSTATUS=serving"
+			     : "READY=1\nSTATUS=serving; the last reload failed, see the log");
+}
+
 /* SIGHUP: re-read the file; apply what can change live, or, if the file
- * has problems, log them and change nothing. */
+ * has problems, log them and change nothing. systemd hears RELOADING=1
+ * first and READY=1 last. */
 static void on_sighup(uv_signal_t *h, int signum)
 {
 	config fresh;
@@ -163,8 +187,10 @@ static void on_sighup(uv_signal_t *h, int signum)
 	char file[300];
 	(void)h;
 	(void)signum;
+	reload_begin();
 	log_escape(d.file, file, sizeof(file));
 	char why[512], esc[600];
+	bool applied_ok = false;
 	size_t n = load(&fresh, &fp, &flp);
 	if (n) {
 		config_problems_log(&fp);
@@ -180,7 +206,9 @@ static void on_sighup(uv_signal_t *h, int signum)
 		log_info("event=config_reloaded file=\"%s\" applied=%zu", file, applied);
 		log_set_level(d.running.log_level);
 		config_log_warnings(&d.running);
+		applied_ok = true;
 	}
+	reload_done(applied_ok);
 	config_free(&fresh);
 	config_problems_free(&fp);
 	config_problems_free(&flp);

@@ -4,7 +4,8 @@
 # bb-consumer (another process) adopt and verify it, look at the daemon
 # with the bufbroker CLI, and stop the daemon cleanly.
 #
-# Usage: sudo ./scripts/demo.sh     (root or sudo only to install packages)
+# Usage: ./scripts/demo.sh    (as any user: as root it installs missing
+#        packages itself, as another user through sudo, asked only then)
 set -euo pipefail
 
 # shellcheck source=scripts/lib.sh

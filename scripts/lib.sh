@@ -7,7 +7,10 @@
 BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # Everything the build, the tests and the demo need on Debian 12.
-# systemd provides systemd-analyze and systemd-socket-activate; clang builds
+# systemd provides systemd-analyze and systemd-socket-activate, and strace
+# records the system calls the daemon makes in the unit's sandbox
+# (tests/integration/service_sandbox.sh); yamllint and python3-kubernetes
+# (the Kubernetes API's schema, offline) check deploy/kubernetes; clang builds
 # the fuzz target and libclang-rt-dev holds its libFuzzer runtime; python3,
 # python3-pytest and python3-numpy run the Python binding's tests;
 # redis-server, libhiredis-dev and gnuplot-nox are the benchmark's Redis
@@ -24,7 +27,8 @@ BB_PACKAGES=(
 	libuv1-dev libprotobuf-c-dev protobuf-c-compiler
 	libcriterion-dev libsystemd-dev uthash-dev libinih-dev
 	libmicrohttpd-dev curl
-	systemd clang libclang-rt-dev
+	systemd strace clang libclang-rt-dev
+	yamllint python3-kubernetes python3-yaml
 	python3 python3-pytest python3-numpy
 	redis-server libhiredis-dev gnuplot-nox
 	dpkg-dev file

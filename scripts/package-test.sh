@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Debian packages, end to end: build them (`cpack -G DEB` in build-pkg,
 # configured with the /usr prefix), install both with dpkg, check what they
-# put where and that the bufbroker group exists, serve on a temporary socket
+# put where and that the bufbroker user and group exist, serve on a temporary socket
 # with the installed /usr/sbin/bufbrokerd, build the example producer and
 # consumer against the installed libbufbroker-dev (pkg-config, and CMake's
 # find_package) and pass a buffer between them, stop the daemon, then remove
@@ -11,7 +11,8 @@
 # Build tree: build-pkg (BUFBROKER_BUILD_DIR=DIR: DIR-pkg).
 #
 # Root only (dpkg -i). It leaves the system as it found it: the packages are
-# purged and the group is deleted if this script created it, also on failure.
+# purged and the user and group are deleted if this script created them,
+# also on failure.
 # Exits 0 on success, 1 on failure, 77 (after a "SKIP" line) when it cannot
 # run here without changing the system: not root, or bufbroker packages or
 # files of another install already in place.
@@ -44,6 +45,7 @@ done
 TMP="$(mktemp -d /tmp/bb-pkgtest-XXXXXX)"
 DPID=
 GROUP_CREATED=0
+USER_CREATED=0
 
 # Undoes whatever of the install happened; runs on every exit.
 cleanup()
@@ -63,6 +65,9 @@ cleanup()
 	if [ "${#installed[@]}" -gt 0 ]; then
 		bb_log "package-test: cleanup: purging ${installed[*]}"
 		dpkg --purge "${installed[@]}" >/dev/null
+	fi
+	if [ "$USER_CREATED" = 1 ] && getent passwd bufbroker >/dev/null; then
+		userdel bufbroker
 	fi
 	if [ "$GROUP_CREATED" = 1 ] && getent group bufbroker >/dev/null; then
 		groupdel bufbroker
@@ -119,6 +124,7 @@ done < <(cd "$TMP/contents" && find . ! -type d)
 
 # ---- install -------------------------------------------------------------
 getent group bufbroker >/dev/null || GROUP_CREATED=1
+getent passwd bufbroker >/dev/null || USER_CREATED=1
 bb_log "package-test: dpkg -i ${DEBS[*]##*/}"
 if ! dpkg -i "${DEBS[@]}" >"$TMP/dpkg-i.log" 2>&1; then
 	cat "$TMP/dpkg-i.log" >&2
@@ -134,6 +140,8 @@ done
 
 # ---- what is installed where ---------------------------------------------
 getent group bufbroker >/dev/null || fail "the bufbroker group was not created"
+getent passwd bufbroker >/dev/null || fail "the bufbroker user was not created"
+[ "$(id -gn bufbroker)" = bufbroker ] || fail "the bufbroker user's group is $(id -gn bufbroker)"
 MA="$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || gcc -print-multiarch)"
 declare -A expect=(
 	[bufbroker]="/usr/sbin/bufbrokerd /usr/bin/bufbroker

@@ -5,9 +5,11 @@
 # with libFuzzer for a bounded time when clang is present (tests/fuzz/run.sh);
 # then the first build's integration tests under valgrind memcheck
 # (scripts/valgrind.sh); then, as root, build, install and purge the Debian
-# packages (scripts/package-test.sh); last, the formatting of every tracked
-# .c and .h file against .clang-format (scripts/check-format.sh). Exits
-# non-zero if anything fails.
+# packages (scripts/package-test.sh); then the systemd units
+# (scripts/check-units.sh) and the Kubernetes manifests
+# (scripts/check-manifests.py); last, the formatting of every tracked .c and .h
+# file against .clang-format (scripts/check-format.sh). Exits non-zero if
+# anything fails.
 #
 # A step that cannot run here (no clang, no valgrind, not root, packages of
 # ours already installed, no clang-format), and a suite in which ctest
@@ -15,7 +17,9 @@
 # (CI=true, 1 or yes) nothing may skip: every such skip is a FAIL, and the
 # test programs themselves fail instead of skipping.
 #
-# Usage: sudo ./scripts/test.sh        (root or sudo only to install packages)
+# Usage: ./scripts/test.sh    (as any user: as root it installs missing
+#        packages itself, as another user through sudo, asked only then;
+#        the parts that need root say SKIP unless run as root)
 # Build trees: build/, build-asan/, build-fuzz/ and build-pkg/
 # (BUFBROKER_BUILD_DIR=DIR: DIR, DIR-asan, DIR-fuzz, DIR-pkg).
 set -euo pipefail
@@ -114,6 +118,29 @@ else
 	pkg_rc=0
 	scripts/package-test.sh || pkg_rc=$?
 	bb_step "$pkg_label" "$pkg_rc"
+fi
+
+# The systemd units: `systemd-analyze verify` finds nothing to say, and
+# `systemd-analyze security` rates the service 2.0 or lower
+# (scripts/check-units.sh, against the release build's daemon).
+units_label="units (systemd-analyze verify; security of bufbrokerd.service at most 2.0)"
+units_rc=0
+scripts/check-units.sh "$BB_BUILD_DIR/bufbrokerd" || units_rc=$?
+bb_step "$units_label" "$units_rc"
+
+# The Kubernetes manifests (deploy/kubernetes): YAML as yamllint wants it,
+# valid for the Kubernetes API schema offline (Debian's python3-kubernetes)
+# and within the pod rules the examples promise (scripts/check-manifests.py).
+k8s_label="manifests (deploy/kubernetes: yamllint, Kubernetes API schema, pod rules)"
+if ! command -v yamllint >/dev/null 2>&1 ||
+	! /usr/bin/python3 -c 'import kubernetes, yaml' 2>/dev/null; then
+	echo "SKIP: yamllint or python3-kubernetes is not installed"
+	bb_step "$k8s_label" 77 "" "yamllint or python3-kubernetes missing"
+else
+	k8s_rc=0
+	yamllint -s deploy/kubernetes || k8s_rc=$?
+	scripts/check-manifests.py deploy/kubernetes/*.yaml || k8s_rc=1
+	bb_step "$k8s_label" "$k8s_rc"
 fi
 
 # Every tracked .c and .h file formatted as .clang-format says, by the

@@ -131,6 +131,20 @@ wait_socket() {
 	[[ -S $SOCK ]] || fail "no socket at $SOCK after 5 s"
 }
 
+# produce_activated NAME SIZE PATTERN: bb-producer ($BB_PRODUCER) on $SOCK
+# makes a host buffer NAME of SIZE bytes filled with PATTERN and prints its
+# token, which goes in TOK; being the first connection, it makes the
+# socket-activating process $DPID exec bufbrokerd, which is checked.
+produce_activated() {
+	TOK=$(timeout 10 "$BB_PRODUCER" --socket "$SOCK" --name "$1" --size "$2" --pattern "$3") ||
+		fail "bb-producer exited $?"
+	[[ $TOK =~ ^[0-9a-f]{32}$ ]] || fail "bb-producer printed '$TOK', not a token"
+	local exe
+	exe=$(readlink "/proc/$DPID/exe" || true)
+	[[ $exe == "$(readlink -f "$BUFBROKERD")" ]] ||
+		fail "pid $DPID runs '$exe', not bufbrokerd, after the first connection"
+}
+
 # start_bufbrokerd ARGS...: "$BUFBROKERD" ARGS... in the background, its
 # output in $LOG; sets DPID and waits for $SOCK (wait_socket).
 start_bufbrokerd() {
