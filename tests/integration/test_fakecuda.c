@@ -711,9 +711,12 @@ Test(fakecuda, accounting_is_shared_across_processes_per_device)
 	cr_assert_eq(free_now(&api), 44 * MiB, "two holders hold 10 MiB each on device 0");
 	holder_free(&h1, pid1);
 	cr_assert_eq(free_now(&api), 54 * MiB, "freed in another process");
-	/* A killed process's memory is free again, as with the driver. */
+	/* A killed process's memory is free again, as with the driver. Its
+	 * objects' names carry its token (bytes 4..7 of its handles). */
 	char mark[32];
-	snprintf(mark, sizeof(mark), "%d.", (int)pid2);
+	uint32_t token;
+	memcpy(&token, hd.reserved + 4, sizeof(token));
+	snprintf(mark, sizeof(mark), "%08x.", (unsigned)token);
 	cr_assert_eq(shm_objects(mark), 1);
 	kill(pid2, SIGKILL);
 	siginfo_t si;
