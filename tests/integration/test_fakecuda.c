@@ -23,6 +23,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -1756,4 +1757,145 @@ Test(fakecuda, novmm_build_is_a_driver_too_old_for_vmm)
 	CU_OK(&api, api.MemAlloc(&p, 4096));
 	CU_OK(&api, api.MemFree(p));
 	bb_cuda_unload(&api);
+}
+
+/* ---- PID namespaces ---------------------------------------------------------- */
+
+#define NS_DENIED 99 /* the child may not make a PID namespace */
+
+/* What a consumer in its own PID namespace is given and does. */
+struct ns_peer {
+	bool strict;        /* FAKECUDA_LEGACY_IPC_NAMESPACE=strict in there */
+	size_t legacy_size; /* of the holder's cuMemAlloc, seed legacy_seed */
+	uint32_t legacy_seed;
+	size_t vmm_size;   /* of the test's VMM allocation, seed 1 */
+	char outer_ns[64]; /* readlink /proc/self/ns/pid of the test */
+	bbt_chan ch;
+};
+
+/* In the new namespace (pid 1 there): open the legacy handle (refused under
+ * strict), import and map the VMM fd; find the seeds, write seed 2 in the
+ * VMM allocation. */
+static int ns_consumer(struct ns_peer *x)
+{
+	bb_cuda api;
+	CUipcMemHandle hd;
+	CUresult rc;
+	char ns[64] = "";
+	STEP(2,
+	     readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1) > 0 && strcmp(ns, x->outer_ns) != 0);
+	STEP(3, getpid() == 1);
+	STEP(4, bbt_recv(x->ch.fd[1], &hd, sizeof(hd), 30000) == 0);
+	int fd = recv_fd(x->ch.fd[1], 30000);
+	STEP(5, fd >= 0);
+	if (x->strict)
+		setenv("FAKECUDA_LEGACY_IPC_NAMESPACE", "strict", 1);
+	STEP(6, child_load(&api) == 0);
+	STEP(7, make_current(&api, 0, NULL) == CUDA_SUCCESS);
+	char *buf = malloc(x->vmm_size > x->legacy_size ? x->vmm_size : x->legacy_size);
+	STEP(8, buf);
+	CUdeviceptr p;
+	rc = api.IpcOpenMemHandle(&p, hd, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+	if (x->strict) {
+		STEP(9, rc == CUDA_ERROR_INVALID_CONTEXT);
+	} else {
+		STEP(10, rc == CUDA_SUCCESS);
+		STEP(11, api.MemcpyDtoH(buf, p, x->legacy_size) == CUDA_SUCCESS);
+		STEP(12, bbt_check(buf, x->legacy_size, x->legacy_seed));
+		STEP(13, api.IpcCloseMemHandle(p) == CUDA_SUCCESS);
+	}
+	CUmemGenericAllocationHandle h;
+	STEP(14, api.MemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
+						  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ==
+			 CUDA_SUCCESS);
+	close(fd);
+	p = vmm_map(&api, h, x->vmm_size, 0, &rc);
+	STEP(15, p != 0);
+	STEP(16, api.MemcpyDtoH(buf, p, x->vmm_size) == CUDA_SUCCESS);
+	STEP(17, bbt_check(buf, x->vmm_size, 1));
+	bbt_fill(buf, x->vmm_size, 2);
+	STEP(18, api.MemcpyHtoD(p, buf, x->vmm_size) == CUDA_SUCCESS);
+	STEP(19, vmm_unmap(&api, p, x->vmm_size) == CUDA_SUCCESS);
+	STEP(20, api.MemRelease(h) == CUDA_SUCCESS);
+	free(buf);
+	bb_cuda_unload(&api);
+	return 0;
+}
+
+/* Forked before the test's cuInit: unshare the PID namespace, and run the
+ * consumer as pid 1 of it (as `unshare --pid --fork` does). */
+static int ns_child(void *arg)
+{
+	if (unshare(CLONE_NEWPID) != 0) {
+		fprintf(stderr, "unshare(CLONE_NEWPID): %s\n", strerror(errno));
+		return NS_DENIED;
+	}
+	pid_t pid = fork();
+	if (pid < 0)
+		return 1;
+	if (pid == 0)
+		_exit(ns_consumer(arg));
+	int st;
+	while (waitpid(pid, &st, 0) < 0 && errno == EINTR)
+		;
+	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* The consumer in its own PID namespace reaches a legacy allocation of a
+ * holder and a VMM allocation of this process through what it was sent. */
+static void across_namespaces(bool strict)
+{
+	setenv("FAKECUDA_MEMORY", "64M", 1);
+	if (strict)
+		setenv("FAKECUDA_LEGACY_IPC_NAMESPACE", "strict", 1);
+	struct ns_peer x = {
+		.strict = strict, .legacy_size = 8192 + 17, .legacy_seed = 9, .vmm_size = 2 * GRAN};
+	cr_assert_gt(readlink("/proc/self/ns/pid", x.outer_ns, sizeof(x.outer_ns) - 1), 0);
+	bbt_chan_open(&x.ch);
+	pid_t pid = bbt_spawn(ns_child, &x);
+	struct holder hl = {.ordinal = 0, .size = x.legacy_size, .seed = x.legacy_seed};
+	CUipcMemHandle hd;
+	pid_t hpid = holder_start(&hl, &hd);
+	bb_cuda api;
+	load(&api);
+	current(&api, 0);
+	/* In one namespace the strict knob changes nothing. */
+	CUdeviceptr q;
+	CU_OK(&api, api.IpcOpenMemHandle(&q, hd, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+	CU_OK(&api, api.IpcCloseMemHandle(q));
+	CUdeviceptr p;
+	int fd;
+	CUmemGenericAllocationHandle h = vmm_made(&api, x.vmm_size, &p, &fd);
+	cr_assert_eq(bbt_send(x.ch.fd[0], &hd, sizeof(hd)), 0);
+	cr_assert_eq(send_fd(x.ch.fd[0], fd), 0);
+	close(fd);
+	int rc = bbt_join(pid, CHILD_TIMEOUT_MS);
+	if (rc == NS_DENIED) {
+		holder_free(&hl, hpid);
+		CU_OK(&api, vmm_unmap(&api, p, x.vmm_size));
+		CU_OK(&api, api.MemRelease(h));
+		bb_cuda_unload(&api);
+		cr_skip_test(
+			"this process may not make a PID namespace (unshare --pid needs root)");
+	}
+	cr_assert_eq(rc, 0, "the consumer in its own PID namespace failed at step %d", rc);
+	char *buf = malloc(x.vmm_size);
+	CU_OK(&api, api.MemcpyDtoH(buf, p, x.vmm_size));
+	cr_assert(bbt_check(buf, x.vmm_size, 2), "the consumer's bytes");
+	free(buf);
+	CU_OK(&api, vmm_unmap(&api, p, x.vmm_size));
+	CU_OK(&api, api.MemRelease(h));
+	holder_free(&hl, hpid);
+	bbt_chan_close(&x.ch);
+	bb_cuda_unload(&api);
+}
+
+Test(fakecuda, another_pid_namespace_opens_legacy_handles_and_maps_vmm_fds)
+{
+	across_namespaces(false);
+}
+
+Test(fakecuda, strict_knob_refuses_legacy_ipc_across_pid_namespaces_not_vmm)
+{
+	across_namespaces(true);
 }
