@@ -107,7 +107,7 @@ bb_step "$vg_label" "$vg_rc"
 
 # The Debian packages: build, dpkg -i, serve, build the examples against
 # them, purge (scripts/package-test.sh). Root only: it installs packages.
-pkg_label="packages ($BB_BUILD_DIR-pkg, cpack -G DEB, dpkg -i/--purge)"
+pkg_label="packages ($BB_BUILD_DIR-pkg, dpkg-buildpackage, lintian, hardening, dpkg -i/--purge)"
 if [ "$(id -u)" -ne 0 ]; then
 	bb_step "$pkg_label" 77 "" "needs root; run: sudo scripts/package-test.sh"
 else
