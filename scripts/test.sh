@@ -6,9 +6,9 @@
 # then the first build's integration tests under valgrind memcheck
 # (scripts/valgrind.sh); then, as root, build, lint (lintian, hardening),
 # install and purge the Debian packages (scripts/package-test.sh); last, the
-# formatting of every tracked .c and .h file against .clang-format (scripts/check-format.sh) and the
-# license header of every source file (scripts/spdx.sh). Exits non-zero if
-# anything fails.
+# formatting of every tracked .c and .h file against .clang-format
+# (scripts/check-format.sh) and the license header of every source file
+# (scripts/spdx.sh). Exits non-zero if anything fails.
 #
 # A step that cannot run here (no clang, no valgrind, not root, packages of
 # ours already installed, no clang-format), and a suite in which ctest
