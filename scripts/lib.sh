@@ -15,7 +15,7 @@ BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # endpoint and curl scrapes it in its test; dpkg-dev (dpkg-shlibdeps) and
 # file compute the .deb packages' Depends, debhelper, dh-python and lintian
 # build and check them (scripts/package-test.sh); strace watches what
-# `cmake --install` writes (tests/integration/install.sh);
+# `cmake --install` writes (tests/integration/install_prefix.sh);
 # valgrind runs the integration tests under memcheck (scripts/valgrind.sh);
 # clang-format (version 14 on Debian 12, the one .clang-format names) checks
 # the formatting (scripts/check-format.sh).
