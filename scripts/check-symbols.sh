@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The symbols file of the libbufbroker0 package (debian/libbufbroker0.symbols)
 # against the library and the public header: every bb_* name that
 # libbufbroker.so.0 exports, and every function bufbroker.h declares, has a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # shellcheck shell=bash
 # Shared by scripts/test.sh and scripts/demo.sh: find the repository, install
 # the Debian packages the build needs, configure and build a tree.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The Debian packages, end to end: build them (debhelper, `dpkg-buildpackage
 # -b` in a copy of the tree: debian/), check them with lintian (no error, no
 # warning) and their binaries for Debian's hardening (relro, bindnow, PIE,

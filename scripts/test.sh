@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Install the build dependencies (Debian), build, and run the whole test
 # suite twice: a RelWithDebInfo build, then an AddressSanitizer +
 # UndefinedBehaviorSanitizer build; then fuzz the daemon's request path

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `cmake --install BUILD --prefix DIR` writes nothing outside DIR: not the
 # configuration under /etc or <configured prefix>/etc, not the systemd
 # units, not the linker cache. Every file system change the install makes
