@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Instructions per operation, counted by valgrind's callgrind: the figures
 # of the fast-path changes in docs/PERFORMANCE.md that timing on a shared
 # machine cannot settle. For each operation, two runs of bench/cgloop.c

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The client side of bench/callgrind.sh: one loop of N iterations of one
  * operation against the daemon at $BUFBROKER_SOCKET, nothing else, so that

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bufbroker benchmark: build an optimised tree, start bufbrokerd, the raw
 # SOCK_SEQPACKET echo server and redis-server (on a Unix socket) in a
 # temporary directory, run every scenario of bufbroker-bench against them,

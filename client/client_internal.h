@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The library's raw request path, for the admin CLI and tests that speak
  * the wire protocol through an established bb_client. Not installed, and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Making and ending a connection: bb_connect (the socket to use, connect,
  * Hello and the daemon's datagram limit) and bb_disconnect.

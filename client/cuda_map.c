@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The CUDA side of a handle: bb_map of a CUDA buffer through one
  * process-wide cache of opened allocations, shared by every bb_client, and

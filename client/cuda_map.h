@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA buffers' device pointers, through one process-wide cache of opened
  * allocations shared by every bb_client (cuda_map.c). Not installed.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Handles (bb_buf): their life from a grant to the last bb_unref, the
  * calls that make them (alloc, import, open, adopt) or surrender one

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The handle (struct bb_buf) as the library's files share it: handle.c
  * makes, counts and frees handles; map_host.c and cuda_map.c map them;

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bb_map: host buffers are mapped here from the memfd their grant carried;
  * CUDA buffers go to the allocation cache (cuda_map.c).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The request path: sending requests over the connection's socket,
  * receiving and matching responses to the calls waiting for them, and the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The connection (struct bb_client) and the request path over it, as the
  * library's other files use them: round trips, fire-and-forget releases and

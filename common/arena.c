@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Bump allocator behind protobuf-c (see arena.h).
  */

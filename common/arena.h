@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * A bump allocator for protobuf-c: unpacking a message makes several small
  * allocations (the message, each sub-message, each string) that all die

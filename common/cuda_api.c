@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * dlopen the CUDA driver and resolve the entry points the project uses.
  */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The CUDA driver, loaded at run time with dlopen so one binary serves GPU
  * and CPU-only hosts. The library is $BUFBROKER_CUDA_LIBRARY, else

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Flat reader and writer for Retain/Release and RefsReply (see
  * flatwire.h). Field numbers and wire types are bufbroker.proto's; the

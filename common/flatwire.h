@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The hot messages without protobuf-c's generic machinery: Retain and
  * Release requests and their RefsReply answers, which are most of what a

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The kind table: names of the bb_kind values for the daemon, the library
  * and the CLI.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The buffer kinds (bb_kind): how many there are and what logs, metrics,
  * messages and the CLI call them. The wire's Kind enum has the same values

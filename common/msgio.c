@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * SOCK_SEQPACKET datagrams with an optional SCM_RIGHTS fd.
  */

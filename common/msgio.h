@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Message I/O on SOCK_SEQPACKET sockets: one datagram per call, with at
  * most one file descriptor attached through SCM_RIGHTS. Both the daemon and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Op names from the Request descriptor, looked up once: the daemon names
  * the op of every request it handles, so a name costs an array read rather

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The ops a Request carries: the fields of its `op` oneof, named as
  * proto/bufbroker.proto spells them ("alloc", "import_fd", ...). The names

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Byte counts for people: "512 B", "4.0 KiB", "9.0 GiB". One formatter for
  * the daemon's limit messages and the CLI's tables, so both read alike.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The status code table: names and sentences for BB_OK and the BB_ERR_*
  * codes, shared by the daemon, the library and the CLI.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The status codes, BB_OK and the BB_ERR_* codes of bufbroker.h (the same
  * codes travel in Status.code on the wire): one table of each code's name,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * UTF-8 checks and cuts (utf8.h). Hand-written: none of the daemon's
  * libraries (libuv, protobuf-c, inih) offers a validator, and the rules fit

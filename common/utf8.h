@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The text rule of the wire: every string is UTF-8 (proto3 says so, and
  * parsers that check it, Python's protobuf among them, refuse a whole

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Memory backends: the one small interface through which the broker gets,
  * exports and frees the memory behind a buffer. Host (memfd), CUDA and the

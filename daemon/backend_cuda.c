@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The CUDA backend: a slab pool per (device, uid, share) over the driver's
  * primary contexts, with growing and freeing done as backend jobs. See

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The CUDA backend: device memory from each device's primary context,
  * carved out of large cuMemAlloc allocations (slabs) and described to

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The host backend: every buffer is its own memfd, sealed so that no
  * client can shrink or grow it under another's mapping (SIGBUS) or add a

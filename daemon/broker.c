@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The broker's state machine: buffers, reference tables, tokens, states and
  * limits. Pure: the only calls out are to the backends' vtables and to the

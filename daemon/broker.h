@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The broker: buffers, per-connection reference tables, tokens, async
  * states and limits, driven by plain function calls. No sockets, no libuv,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The wire codec: flatwire for Retain, Release and RefsReply, protobuf-c
  * (unpacking into a bump arena) for everything else, and the check of the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Turn a datagram into a request and a response into bytes: the one place
  * the daemon reads and writes the wire. The commonest messages (Retain,

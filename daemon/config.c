@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The daemon's settings: one table of keys, the INI file through inih, the
  * flags, and the comparison a SIGHUP makes.

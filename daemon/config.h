@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The daemon's settings: built-in defaults, then the INI file
  * (/etc/bufbroker/bufbrokerd.conf or --config FILE, parsed with inih), then

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Handle client connections: read datagrams per readiness event, have the
  * codec decode each and the request layer act on it, and send responses,

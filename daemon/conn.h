@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The transport: client connections on SOCK_SEQPACKET sockets. A
  * connection reads datagrams (batched with recvmmsg when the peer

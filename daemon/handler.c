@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The request layer: sessions, and one function per op that turns a
  * decoded Request into broker calls and an answer through the session's

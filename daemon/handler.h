@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The request layer: one session per client connection, and the turning
  * of each decoded Request into broker calls and one Response (or none, for

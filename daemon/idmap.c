@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The id table: open addressing, linear probing, backward-shift deletion.
  * See idmap.h for the contract.

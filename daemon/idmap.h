@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * A compact table from 64-bit ids to the items that carry them: the
  * broker's buffers by id, and each connection's counts on buffers.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The daemon's log: one line per event, key=value, to stderr (journald adds
  * the time and unit). Lines at a level above the configured one are dropped.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bufbrokerd: read the configuration (defaults, then the file, then the
  * flags), start the server on a libuv loop, reload the file on SIGHUP, run

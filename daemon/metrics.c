@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Metrics: the loop thread's counters, the Prometheus text rendering of
  * them and of the broker's state, and the HTTP endpoint (libmicrohttpd) that

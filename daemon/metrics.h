@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The daemon's metrics: the counters the loop thread keeps as it serves
  * (requests by op and status, their latency, refusals by limit), and an

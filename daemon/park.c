@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Parked Waits (the broker's waiter and a timer each) and parked Allocs (a
  * FIFO retried after backend jobs).

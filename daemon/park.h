@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Parked requests: Waits that answer when their buffer leaves PENDING or
  * their timeout fires, and Allocs that wait for a backend job (a new CUDA

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Listen and accept: the SOCK_SEQPACKET socket (our own, or the one
  * systemd passed); the layers, from the transport down, set up and torn

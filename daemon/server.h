@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The daemon's top: the listening socket and what it accepts, the layers
  * it assembles (transport, codec, request layer, parking, broker,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * One snapshot of the daemon's state, gathered from the broker, the
  * backends, the parking lot and the request counters: what the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bb-consumer: receive a buffer from another process and check its bytes.
  *

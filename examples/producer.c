@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bb-producer: make a buffer, fill it, and hand it to another process.
  *

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Check that every tracked C source and header (git ls-files '*.c' '*.h')
 # is formatted as the repository's .clang-format says, with the clang-format
 # version that file names (14, Debian 12's package clang-format): that

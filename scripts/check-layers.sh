@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Check that the daemon's modules only call downwards (issue 11): no object
 # file of the daemon uses a global symbol of another that in turn, directly
 # or through others, uses one of its own. nm on the objects is the evidence:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Build bufbroker and show it working: start bufbrokerd on a private
 # socket, let bb-producer fill a buffer and hand it over as a token, let
 # bb-consumer (another process) adopt and verify it, look at the daemon

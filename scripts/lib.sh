@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # shellcheck shell=bash
 # Shared by scripts/test.sh and scripts/demo.sh: find the repository, install
 # the Debian packages the build needs, configure and build a tree.
@@ -16,7 +17,9 @@ BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # redis-server, libhiredis-dev and gnuplot-nox are the benchmark's Redis
 # baseline and plots (bench/run.sh); libmicrohttpd serves the metrics
 # endpoint and curl scrapes it in its test; dpkg-dev (dpkg-shlibdeps) and
-# file let cpack compute the .deb packages' Depends (scripts/package-test.sh);
+# file compute the .deb packages' Depends, debhelper, dh-python and lintian
+# build and check them (scripts/package-test.sh); strace watches what
+# `cmake --install` writes (tests/integration/install_prefix.sh);
 # valgrind runs the integration tests under memcheck (scripts/valgrind.sh);
 # clang-format (version 14 on Debian 12, the one .clang-format names) checks
 # the formatting (scripts/check-format.sh); prometheus provides promtool,
@@ -32,6 +35,7 @@ BB_PACKAGES=(
 	python3 python3-pytest python3-numpy
 	redis-server libhiredis-dev gnuplot-nox
 	dpkg-dev file
+	debhelper dh-python lintian strace
 	valgrind
 	clang-format
 	prometheus

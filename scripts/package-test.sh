@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The Debian packages, end to end: build them (`cpack -G DEB` in build-pkg,
-# configured with the /usr prefix), install both with dpkg, check what they
-# put where and that the bufbroker user and group exist, serve on a temporary socket
+# SPDX-License-Identifier: Apache-2.0
+# The Debian packages, end to end: build them (debhelper, `dpkg-buildpackage
+# -b` in a copy of the tree: debian/), check them with lintian (no error, no
+# warning) and their binaries for Debian's hardening (relro, bindnow, PIE,
+# stack protector, fortify), install all four with dpkg, check what they put
+# where and that the bufbroker user and group exist, serve on a temporary socket
 # with the installed /usr/sbin/bufbrokerd, build the example producer and
 # consumer against the installed libbufbroker-dev (pkg-config, and CMake's
-# find_package) and pass a buffer between them, stop the daemon, then remove
-# and purge both packages and check that their files are gone.
+# find_package) and pass a buffer between them and from the installed
+# Python module to them, stop the daemon, then remove and purge the packages
+# and check that their files are gone.
 #
 # Usage: sudo ./scripts/package-test.sh
-# Build tree: build-pkg (BUFBROKER_BUILD_DIR=DIR: DIR-pkg).
+# The .debs are left in build-pkg (BUFBROKER_BUILD_DIR=DIR: DIR-pkg).
 #
 # Root only (dpkg -i). It leaves the system as it found it: the packages are
 # purged and the user and group are deleted if this script created them,
@@ -22,7 +26,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$BB_ROOT"
 
-PKGS=(bufbroker libbufbroker-dev)
+PKGS=(libbufbroker0 bufbroker libbufbroker-dev python3-bufbroker)
 BUILD="$BB_BUILD_DIR-pkg"
 
 skip()
@@ -94,27 +98,82 @@ is_owned()
 	dpkg -S "$1" >/dev/null 2>&1
 }
 
-# ---- build ---------------------------------------------------------------
-# RelWithDebInfo is -O2 -g, as Debian builds; CPack strips the binaries.
-# The prefix and sysconfdir are debhelper's: /usr, and /etc (not /usr/etc).
-bb_build "$BUILD" RelWithDebInfo -DCMAKE_INSTALL_PREFIX=/usr -DCMAKE_INSTALL_SYSCONFDIR=/etc \
-	-DBB_BUILD_TESTS=OFF -DBB_BUILD_EXAMPLES=OFF || fail "building $BUILD"
+# ---- build ----------------------------------------------------------------
+# In a copy of the tree (what git tracks, and new files it does not ignore),
+# so that dpkg-buildpackage writes nothing into the checkout: debhelper
+# builds in obj-*/ and debian/, and puts the .debs next to the source.
+VERSION="$(dpkg-parsechangelog -l debian/changelog -S Version)"
+UPSTREAM="${VERSION%-*}"
+SRC="$TMP/src/bufbroker-$UPSTREAM"
+mkdir -p "$SRC"
+if git rev-parse --git-dir >/dev/null 2>&1; then
+	git ls-files -z --cached --others --exclude-standard | grep -zv '^build' |
+		xargs -0 cp -P --parents -t "$SRC"
+else
+	tar -c --exclude='./build*' --exclude=./.git . | tar -x -C "$SRC"
+fi
+[ -x "$SRC/debian/rules" ] || fail "copying the tree to $SRC (git ls-files)"
+bb_log "package-test: dpkg-buildpackage -b ($VERSION)"
+(cd "$SRC" && dpkg-buildpackage -b -uc -us -j"$(nproc)" >"$TMP/build.log" 2>&1) ||
+	{ tail -n 40 "$TMP/build.log" >&2; fail "dpkg-buildpackage -b (full log: kept in $BUILD/build.log)"; }
+mkdir -p "$BUILD"
 rm -f "$BUILD"/*.deb
-bb_log "package-test: cpack -G DEB"
-(cd "$BUILD" && cpack -G DEB >"$TMP/cpack.log" 2>&1) ||
-	{ cat "$TMP/cpack.log" >&2; fail "cpack -G DEB"; }
 DEBS=()
 for p in "${PKGS[@]}"; do
-	f="$(echo "$BUILD/${p}_"*.deb)"
-	[ -f "$f" ] || fail "cpack made no $p package (see $BUILD/_CPack_Packages)"
+	f="$(echo "$TMP/src/${p}_${VERSION}_"*.deb)"
+	[ -f "$f" ] || fail "dpkg-buildpackage made no $p package"
+	cp "$f" "$BUILD/"
 	DEBS+=("$f")
 done
+cp "$TMP/build.log" "$BUILD/build.log"
+[ "$(sed -n 's/^project(bufbroker VERSION \([^ ]*\) .*/\1/p' CMakeLists.txt)" = "$UPSTREAM" ] ||
+	fail "debian/changelog's version $VERSION is not CMakeLists.txt's project version"
 
-# Files of another install (`cmake --install` to /usr, say) at the packages'
-# paths would be overwritten by dpkg -i and deleted by dpkg -r.
+# ---- lintian: no error, no warning -----------------------------------------
+# Informational tags are shown, not fatal. An override lives in
+# debian/PACKAGE.lintian-overrides with a comment saying why it is right.
+bb_log "package-test: lintian ${DEBS[*]##*/}"
+lintian --display-info "${DEBS[@]}" >"$TMP/lintian.log" 2>&1 || true
+cat "$TMP/lintian.log"
+if grep -qE '^[EW]: ' "$TMP/lintian.log"; then
+	fail "lintian reports errors or warnings (above)"
+fi
+grep -qE '^(E|W|I|N): |^$|running with root privileges' "$TMP/lintian.log" ||
+	[ ! -s "$TMP/lintian.log" ] || fail "lintian did not run: $(head -n 3 "$TMP/lintian.log")"
+
+# ---- hardening: every ELF file the packages ship -----------------------------
+# What dpkg-buildflags' hardening=+all gives (hardening-check's criteria):
+# full RELRO (a GNU_RELRO segment and BIND_NOW), position-independent
+# executables, -fstack-protector-strong (a call to __stack_chk_fail) and
+# _FORTIFY_SOURCE (calls to the checked *_chk variants of libc functions).
 for f in "${DEBS[@]}"; do
 	dpkg-deb -x "$f" "$TMP/contents"
 done
+nelf=0
+while IFS= read -r f; do
+	[ "$(head -c 4 "$f" | od -An -c | tr -d ' ')" = '177ELF' ] || continue
+	nelf=$((nelf + 1))
+	name="${f#"$TMP/contents"}"
+	readelf -lW "$f" >"$TMP/readelf-l.out"
+	grep -q GNU_RELRO "$TMP/readelf-l.out" || fail "$name: no RELRO (-Wl,-z,relro)"
+	readelf -dW "$f" >"$TMP/readelf-d.out"
+	grep -qE '\(FLAGS\).*BIND_NOW|\(FLAGS_1\).*NOW' "$TMP/readelf-d.out" ||
+		fail "$name: not bound immediately (-Wl,-z,now)"
+	case "$name" in
+	*.so.*) ;;
+	*)
+		readelf -hW "$f" >"$TMP/readelf-h.out"
+		grep -qE '^ *Type: *DYN' "$TMP/readelf-h.out" || fail "$name: not a PIE"
+		;;
+	esac
+	nm -D "$f" >"$TMP/nm.out"
+	grep -q ' U __stack_chk_fail' "$TMP/nm.out" || fail "$name: no stack protector"
+	grep -qE ' U __[a-z]+_chk(@|$)' "$TMP/nm.out" || fail "$name: no fortified function (_FORTIFY_SOURCE)"
+done < <(find "$TMP/contents" -type f \( -perm -u+x -o -name '*.so*' \))
+[ "$nelf" -ge 3 ] || fail "found $nelf ELF files in the packages, expected the daemon, the CLI and the library"
+
+# Files of another install (`cmake --install` to /usr, say) at the packages'
+# paths would be overwritten by dpkg -i and deleted by dpkg -r.
 while IFS= read -r f; do
 	f="/${f#./}"
 	if { [ -e "$f" ] || [ -L "$f" ]; } && ! is_owned "$f"; then
@@ -144,17 +203,23 @@ getent passwd bufbroker >/dev/null || fail "the bufbroker user was not created"
 [ "$(id -gn bufbroker)" = bufbroker ] || fail "the bufbroker user's group is $(id -gn bufbroker)"
 MA="$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || gcc -print-multiarch)"
 declare -A expect=(
+	[libbufbroker0]="/usr/lib/$MA/libbufbroker.so.0"
 	[bufbroker]="/usr/sbin/bufbrokerd /usr/bin/bufbroker
-		/usr/lib/$MA/libbufbroker.so.0
-		/usr/lib/systemd/system/bufbrokerd.service
-		/usr/lib/systemd/system/bufbrokerd.socket
+		/lib/systemd/system/bufbrokerd.service
+		/lib/systemd/system/bufbrokerd.socket
 		/usr/lib/sysusers.d/bufbroker.conf"
 	[libbufbroker-dev]="/usr/include/bufbroker/bufbroker.h
 		/usr/lib/$MA/libbufbroker.a /usr/lib/$MA/libbufbroker.so
 		/usr/lib/$MA/pkgconfig/bufbroker.pc
 		/usr/lib/$MA/cmake/bufbroker/bufbrokerConfig.cmake
 		/usr/lib/$MA/cmake/bufbroker/bufbrokerConfigVersion.cmake"
+	[python3-bufbroker]="/usr/lib/python3/dist-packages/bufbroker/__init__.py
+		/usr/lib/python3/dist-packages/bufbroker-$UPSTREAM.dist-info/METADATA"
 )
+# Every package: the copyright file and the Debian changelog.
+for p in "${PKGS[@]}"; do
+	expect[$p]+=" /usr/share/doc/$p/copyright /usr/share/doc/$p/changelog.Debian.gz"
+done
 # What the source tree has, the package must ship.
 if [ -f systemd/bufbrokerd.conf ]; then
 	expect[bufbroker]+=" /etc/bufbroker/bufbrokerd.conf"
@@ -183,7 +248,7 @@ if [ -f systemd/bufbrokerd.conf ]; then
 	dpkg-query -W -f='${Conffiles}\n' bufbroker | grep -q ' /etc/bufbroker/bufbrokerd.conf ' ||
 		fail "/etc/bufbroker/bufbrokerd.conf is not a conffile"
 fi
-exec_start="$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' /usr/lib/systemd/system/bufbrokerd.service)"
+exec_start="$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' /lib/systemd/system/bufbrokerd.service)"
 [ -x "$exec_start" ] || fail "the service's ExecStart=$exec_start is not an installed program"
 if readelf -d /usr/sbin/bufbrokerd /usr/bin/bufbroker "/usr/lib/$MA/libbufbroker.so.0" |
 	grep -qE 'RPATH|RUNPATH'; then
@@ -214,7 +279,7 @@ unset PKG_CONFIG_PATH LD_LIBRARY_PATH CMAKE_PREFIX_PATH
 mkdir -p "$TMP/src"
 cp examples/producer.c examples/consumer.c "$TMP/src/"
 bb_log "package-test: building the examples with pkg-config bufbroker"
-[ "$(pkg-config --modversion bufbroker)" = "$(dpkg-query -W -f='${Version}' libbufbroker-dev)" ] ||
+[ "$(pkg-config --modversion bufbroker)" = "$UPSTREAM" ] ||
 	fail "pkg-config bufbroker is not the installed version"
 for ex in producer consumer; do
 	# shellcheck disable=SC2046 # pkg-config's output is words
@@ -248,6 +313,20 @@ tok="$("$TMP/bb-producer" --socket "$SOCK" --name pkgtest-2 --pattern 9)" ||
 	fail "bb-producer (pkg-config build), second run"
 "$TMP/cm/build/bb-consumer-cmake" --socket "$SOCK" --pattern 9 "$tok" ||
 	fail "bb-consumer (find_package build)"
+
+# The installed Python module (python3-bufbroker), found by Debian's python3
+# on its own (no PYTHONPATH, run from /) and loading the installed library.
+bb_log "package-test: Python producer (python3-bufbroker) -> consumer"
+cp examples/python/producer.py "$TMP/src/producer.py"
+modpath="$(cd / && env -u PYTHONPATH -u BUFBROKER_LIBRARY /usr/bin/python3 -c 'import bufbroker; print(bufbroker.__file__)')" ||
+	fail "python3 cannot import the installed bufbroker"
+[ "$modpath" = /usr/lib/python3/dist-packages/bufbroker/__init__.py ] ||
+	fail "python3 imports bufbroker from $modpath, not from python3-bufbroker"
+tok="$(cd / && env -u PYTHONPATH -u BUFBROKER_LIBRARY /usr/bin/python3 "$TMP/src/producer.py" \
+	--socket "$SOCK" --name pkgtest-3 --size 65536 --pattern 5)" ||
+	fail "the Python producer with the installed module"
+"$TMP/bb-consumer" --socket "$SOCK" --size 65536 --pattern 5 "$tok" ||
+	fail "bb-consumer of the Python producer's buffer"
 /usr/bin/bufbroker --socket "$SOCK" --json ls >"$TMP/ls.json" || fail "the installed CLI: bufbroker ls"
 if grep -q pkgtest "$TMP/ls.json"; then
 	fail "buffers left behind: $(cat "$TMP/ls.json")"
@@ -261,7 +340,7 @@ DPID=
 
 # ---- remove, purge, and nothing left ---------------------------------------
 bb_log "package-test: dpkg -r, dpkg --purge"
-dpkg -r libbufbroker-dev bufbroker >"$TMP/dpkg-r.log" 2>&1 ||
+dpkg -r "${PKGS[@]}" >"$TMP/dpkg-r.log" 2>&1 ||
 	{ cat "$TMP/dpkg-r.log" >&2; fail "dpkg -r"; }
 for p in "${PKGS[@]}"; do
 	while IFS= read -r f; do
@@ -274,7 +353,7 @@ for p in "${PKGS[@]}"; do
 		esac
 	done <"$TMP/$p.list"
 done
-dpkg --purge libbufbroker-dev bufbroker >"$TMP/dpkg-purge.log" 2>&1 ||
+dpkg --purge "${PKGS[@]}" >"$TMP/dpkg-purge.log" 2>&1 ||
 	{ cat "$TMP/dpkg-purge.log" >&2; fail "dpkg --purge"; }
 for p in "${PKGS[@]}"; do
 	[ -z "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)" ] ||

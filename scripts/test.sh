@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Install the build dependencies (Debian), build, and run the whole test
 # suite twice: a RelWithDebInfo build, then an AddressSanitizer +
 # UndefinedBehaviorSanitizer build; then fuzz the daemon's request path
 # with libFuzzer for a bounded time when clang is present (tests/fuzz/run.sh);
 # then the first build's integration tests under valgrind memcheck
-# (scripts/valgrind.sh); then, as root, build, install and purge the Debian
-# packages (scripts/package-test.sh); then the systemd units
-# (scripts/check-units.sh) and the Kubernetes manifests
-# (scripts/check-manifests.py); last, the formatting of every tracked .c and .h
-# file against .clang-format (scripts/check-format.sh). Exits non-zero if
-# anything fails.
+# (scripts/valgrind.sh); then, as root, build, lint (lintian, hardening),
+# install and purge the Debian packages (scripts/package-test.sh); then the
+# systemd units (scripts/check-units.sh) and the Kubernetes manifests
+# (scripts/check-manifests.py); last, the formatting of every tracked .c and
+# .h file against .clang-format (scripts/check-format.sh) and the license
+# header of every source file (scripts/spdx.sh). Exits non-zero if anything
+# fails.
 #
 # A step that cannot run here (no clang, no valgrind, not root, packages of
 # ours already installed, no clang-format), and a suite in which ctest
@@ -111,7 +113,7 @@ bb_step "$vg_label" "$vg_rc"
 
 # The Debian packages: build, dpkg -i, serve, build the examples against
 # them, purge (scripts/package-test.sh). Root only: it installs packages.
-pkg_label="packages ($BB_BUILD_DIR-pkg, cpack -G DEB, dpkg -i/--purge)"
+pkg_label="packages ($BB_BUILD_DIR-pkg, dpkg-buildpackage, lintian, hardening, dpkg -i/--purge)"
 if [ "$(id -u)" -ne 0 ]; then
 	bb_step "$pkg_label" 77 "" "needs root; run: sudo scripts/package-test.sh"
 else
@@ -150,6 +152,12 @@ fmt_label="format (clang-format, .clang-format, every tracked .c and .h)"
 fmt_rc=0
 scripts/check-format.sh || fmt_rc=$?
 bb_step "$fmt_label" "$fmt_rc" "see above; scripts/check-format.sh --fix formats in place"
+
+# Every source file carries the SPDX line of LICENSE (scripts/spdx.sh).
+spdx_label="license headers (SPDX-License-Identifier: Apache-2.0, every source file)"
+spdx_rc=0
+scripts/spdx.sh --check || spdx_rc=$?
+bb_step "$spdx_label" "$spdx_rc" "see above; scripts/spdx.sh --fix adds them"
 
 echo
 for line in "${BB_SUMMARY[@]}"; do

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Run the integration tests under valgrind memcheck, following every process
 # they start (--trace-children=yes): the test runners, their forked client
 # children and the bufbrokerd daemons the harness execs, and the CLI. Any

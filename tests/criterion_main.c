@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The main of every Criterion test program (tests/unit, tests/integration):
  * Criterion's own run, then a verdict on the tests that skipped themselves

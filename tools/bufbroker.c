@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bufbroker: the operator's view of a running bufbrokerd.
  *

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """consumer.py: receive a buffer from another process and check its bytes.
 
     consumer.py [--socket PATH] [--size BYTES] [--pattern BYTE]

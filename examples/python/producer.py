@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """producer.py: make a buffer, fill it, and hand it to another process.
 
     producer.py [--socket PATH] [--name NAME] [--size BYTES] [--pattern BYTE]

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bufbroker client API (libbufbroker). This header is the whole API and its
  * contract: what each call promises is written here, above the call.

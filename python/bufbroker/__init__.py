@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Python binding of bufbroker: buffers owned by bufbrokerd, shared across
 processes with reference counts the daemon keeps.
 

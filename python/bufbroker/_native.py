@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Load libbufbroker and declare its C API for ctypes.
 
 Everything here mirrors include/bufbroker/bufbroker.h; nothing else in the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Client (one connection to bufbrokerd) and Buffer (one handle to a buffer).
 
 Lifetimes, and why they are safe:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Error codes and the exceptions that carry them.
 
 Every failing libbufbroker call raises a subclass of :class:`BufbrokerError`

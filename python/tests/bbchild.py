@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Code that tests run in child processes (multiprocessing, spawn): it must
 live in an importable module, not in a test file."""
 

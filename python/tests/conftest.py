@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fixtures: a real bufbrokerd on a temporary socket, and clients of it.
 
 Where things are found (ctest sets the variables; see tests/integration/python.sh):

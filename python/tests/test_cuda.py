@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CUDA buffers: __cuda_array_interface__ and cuda_ipc(), against the fake
 driver ($BB_FAKECUDA, libfakecuda.so) or, with $BB_REAL_CUDA=1, the real one."""
 

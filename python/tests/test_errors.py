@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Errors: classes by BB_ERR code, code and message carried, the daemon gone,
 library loading, forked children."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Host memory: views with no copy, numpy, lifetimes, imported memfds."""
 
 import fcntl

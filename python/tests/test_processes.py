@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Between processes: Python to Python (multiprocessing, spawn), and the
 example programs, Python and C, in every pairing."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """References: counts seen through stat, ref/close, take/adopt, names,
 retain/release, context managers."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PENDING / READY / FAILED: set_ready, set_error, wait and its timeout."""
 
 import threading

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * libfakecuda.so: a stand-in for the CUDA driver (libcuda.so.1), so the
  * project's real CUDA code runs, and is tested, on machines without a GPU.

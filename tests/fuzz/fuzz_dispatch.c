@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * libFuzzer target: datagrams, sequences of them and attached fds, fed
  * through the daemon's whole request path (conn.c's read and decode,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The fuzz target's input format (tests/fuzz/README.md), shared by the
  * target (fuzz_dispatch.c) and the seed generator (gen_corpus.c).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Replay saved inputs through the fuzz target without libFuzzer (any
  * compiler): every file named, and every file in every directory named

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Write the fuzz target's seed corpus: one file per session of valid (and
  * a few deliberately invalid) requests, in the input format of

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Build the libFuzzer target fuzz_dispatch with clang, AddressSanitizer and
 # UndefinedBehaviorSanitizer, and fuzz the daemon's request path for a
 # bounded time (tests/fuzz/README.md). Any crash, leak, sanitizer report or

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The benchmark works: bench/run.sh --quick against this build tree writes a
 # JSON report with every scenario and every baseline, each with numbers
 # above zero, every target (issue 6; the zero-copy recycled one as issue 12

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bufbrokerd's configuration file: every key set in a file is honoured (seen
 # in what the daemon does, not in what it prints back), flags override the
 # file, --check-config reports every bad line (file:line, key, why) and exits

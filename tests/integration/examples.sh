@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The producer/consumer examples and the bufbroker CLI (status, ls, stat, and
 # their --json forms) against a real bufbrokerd; SIGTERM must end it with 0.
 #

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Integration-test harness: a real bufbrokerd on a temporary socket, child
  * processes that report through exit codes, and a raw SOCK_SEQPACKET peer

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # What `cmake --install` leaves is enough to build a program against the
 # public API in both ways a user would: `pkg-config bufbroker` (shared
 # library) and CMake's `find_package(bufbroker)` with bufbroker::bufbroker.

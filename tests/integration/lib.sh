@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # shellcheck shell=bash
 # Shared by the shell integration tests (tests/integration/*.sh): their
 # directory and traps, how they fail, the checks of what ctest gives them, and

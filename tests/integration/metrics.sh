@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The Prometheus endpoint (--metrics-listen), scraped with curl after a known
 # workload: the counters and gauges must show exactly what was done; the
 # exposition passes `promtool check metrics`; the process metrics have the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The Python binding (python/bufbroker): its pytest suite, with Debian's
 # /usr/bin/python3, against real daemons it starts itself; then the Python
 # example pair and its pairings with the C examples through one daemon here,

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Not a test of its own: the program tests/integration/skips.sh runs to
  * prove what tests/criterion_main.c promises. One test passes, one skips

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # A skip is never a pass, and under CI it is a failure:
 #  - a Criterion program (tests/criterion_main.c) whose tests skip names each
 #    on a SKIP line and exits 77; under CI it exits 1; a failure wins over a

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The systemd units verify and the service's sandbox rates 2.0 or lower
 # (scripts/check-units.sh), and bufbrokerd serves a socket passed by socket
 # activation (LISTEN_FDS): the producer/consumer examples and the CLI work

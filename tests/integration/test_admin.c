@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The admin surface against a real bufbrokerd: `bufbroker clients`, `top`,
  * `ls` filters and `check` (protocol 1.1's Clients and Check requests).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The client API against a real bufbrokerd, across processes: every item of
  * "Behaviour that callers rely on" in API.md, and the DESIGN.md rules the

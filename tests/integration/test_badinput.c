@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Bad input on the wire: each malformed or out-of-order datagram gets the
  * documented Response (BB_ERR_PROTOCOL, a sentence, the documented id), the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA buffers end to end: a real bufbrokerd with its CUDA backend, and
  * client processes that map what it hands out, against the driver named by

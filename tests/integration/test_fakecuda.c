@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * tests/fakecuda's libfakecuda.so behaves as the CUDA driver does, across
  * processes: devices and UUIDs from its knobs, CUDA_VISIBLE_DEVICES,

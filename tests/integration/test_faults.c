@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Faults: clients killed while holding buffers or mid-operation give
  * everything back; a killed daemon makes every call answer

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Points of the protocol a client author has to rely on (docs/PROTOCOL.md,
  * "Requests and responses", and Alloc's errors), each proved on the wire

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Isolation and limits against a real bufbrokerd, as hostile local clients
  * meet them (docs/SECURITY.md): processes of two other uids probe each

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Soak: rounds of client processes running random workloads against one
  * daemon (alloc host and, with the fake CUDA driver, CUDA buffers; import

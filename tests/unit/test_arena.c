@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The protobuf-c bump allocator: aligned allocations from the block, a
  * spill to malloc for what does not fit (counted, freed through

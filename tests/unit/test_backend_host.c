@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The host backend's guards: what import_fd accepts (checked again on the
  * daemon's own sealed duplicate, with a peer that changes the file while

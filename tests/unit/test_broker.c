@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Unit tests for the broker's rules (DESIGN.md, "The broker's rules"),
  * against the contract in daemon/broker.h. No sockets, no real memory: a

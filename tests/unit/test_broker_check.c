@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * broker_check: it passes on every state the broker's own operations reach,
  * and it names each kind of inconsistency. The corrupting tests need the

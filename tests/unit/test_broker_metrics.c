@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Unit tests for what the broker reports to the metrics endpoint: the
  * refusals counted per limit (broker_totals.refused) and the per-uid usage

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The broker's tables at size: buffers by id and each connection's counts
  * live in idmap tables, which keep no order and move entries as they grow,

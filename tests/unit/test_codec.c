@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The daemon's codec (daemon/codec.c): a Request whose strings are not
  * UTF-8, or hold a NUL byte that protobuf-c would cut them at, is told

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The tables in common/: status codes (bb_err_name, bb_strerror), op names
  * from the Request descriptor (bb_op_name) and buffer kinds (bb_kind_*).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The CUDA backend's extents inside a slab: after every alloc and free the
  * extents tile the slab with no gap, no overlap and no two free ranges side

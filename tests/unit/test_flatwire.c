@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * flatwire against protobuf-c: the flat encoders write the bytes protobuf-c
  * packs, and whatever the flat decoders accept, protobuf-c decodes to the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The id table (daemon/idmap.c): every entry stays reachable through
  * growth, shrinking and backward-shift deletion, ids whose hashes share

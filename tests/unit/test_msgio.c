@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * SOCK_SEQPACKET datagrams through msgio on a real socket pair: one slot
  * (a recvmsg) and several (a recvmmsg) read the same datagrams the same

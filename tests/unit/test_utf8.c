@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * common/utf8.c: what counts as UTF-8 (RFC 3629), where a cut may fall,
  * and what scrubbing leaves.

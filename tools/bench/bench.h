@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bufbroker-bench: measure bufbroker and its baselines in one run.
  *

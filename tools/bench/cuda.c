@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * CUDA: alloc from the daemon's slab pool versus a plain cuMemAlloc, and
  * mapping a buffer whose allocation this process already has open versus

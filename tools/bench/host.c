@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Host-side scenarios: local reference counting against a bare atomic pair,
  * host alloc + map + unref, open + map by a second process, and zero copy

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * bufbroker-bench: the command line. bench/run.sh starts the servers and
  * calls `bufbroker-bench run` with their sockets; `echo-server` is the raw

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The report: one table with ratios against the baselines of the same
  * run, the targets of issue 6 with met / not met, the JSON file and the

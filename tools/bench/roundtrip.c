@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The round trip from 1..N client processes against bufbrokerd and its two
  * baselines, with one client loop for all three: take the time, one request,

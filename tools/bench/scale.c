@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Scale: the round trip with many live buffers in the daemon, and the
  * daemon's resident memory per live buffer, in two series over the same

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * Timing, the latency histogram, medians, CPU pinning and the result list.
  */
