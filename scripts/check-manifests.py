@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
 """Check Kubernetes manifests offline: against the Kubernetes API schema,
 and against the rules bufbroker's examples promise.
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Check the systemd units in systemd/: `systemd-analyze verify` has nothing
 # to say about bufbrokerd.socket and bufbrokerd.service, and `systemd-analyze
 # security --offline=true` rates the service 2.0 or lower (its exposure

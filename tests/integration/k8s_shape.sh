@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The shape of deploy/kubernetes, without Kubernetes: the daemon as the
 # DaemonSet runs it (uid and gid 2000, no capabilities, no_new_privs, its
 # socket mode 0660 in a directory of its own, mode 0750), and a worker as

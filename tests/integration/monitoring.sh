@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The example monitoring in deploy/: the Prometheus alert rules pass
 # `promtool check rules` and their unit tests (`promtool test rules`); the
 # Grafana dashboard is valid JSON with a query in every panel; and every

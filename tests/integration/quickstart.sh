@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The README's quick start works as pasted by root in a fresh Debian
 # container (no sudo there) and by a user with sudo: it is two commands,
 # neither starts with sudo, each runs a script of the repository; and the

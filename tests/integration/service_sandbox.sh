@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bufbrokerd works inside the sandbox of systemd/bufbrokerd.service, as far
 # as it can be reproduced without systemd as PID 1: the socket made by
 # someone else and passed to it (systemd-socket-activate), the daemon as an
