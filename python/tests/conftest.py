@@ -162,8 +162,8 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _start(extra_env=None):
-    return Daemon(executable("BUFBROKERD", "bufbrokerd"), extra_env)
+def _start(extra_env=None, args=()):
+    return Daemon(executable("BUFBROKERD", "bufbrokerd"), extra_env, args)
 
 
 def _finish(d):
@@ -187,12 +187,13 @@ def daemon():
 
 @pytest.fixture
 def start_daemon():
-    """A factory for daemons with extra environment (e.g. a CUDA driver);
-    each is stopped like the daemon fixture's."""
+    """A factory for daemons with extra environment (e.g. a CUDA driver)
+    and extra command-line arguments; each is stopped like the daemon
+    fixture's."""
     started = []
 
-    def start(extra_env=None):
-        d = _start(extra_env)
+    def start(extra_env=None, args=()):
+        d = _start(extra_env, args)
         started.append(d)
         return d
 
