@@ -40,7 +40,7 @@ from ._native import (
     TOKEN_SIZE,
     library_candidates,
 )
-from .client import Buffer, Client, CudaIpc, Info, strerror
+from .client import Buffer, Client, CudaIpc, Info, Tensor, strerror
 from .errors import (
     ERR_DENIED,
     ERR_DISCONNECTED,
@@ -76,6 +76,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client",
     "Buffer",
+    "Tensor",
     "Info",
     "CudaIpc",
     "strerror",
