@@ -2,8 +2,9 @@
 processes with reference counts the daemon keeps.
 
 Pure ctypes over libbufbroker (no compiled extension). The library is found
-through ``$BUFBROKER_LIBRARY``, else ``ctypes.util.find_library("bufbroker")``,
-else ``libbufbroker.so.0``, and loaded on first use.
+through ``$BUFBROKER_LIBRARY``, else as ``libbufbroker.so.0`` through the
+dynamic loader, else by ``ctypes.util.find_library("bufbroker")``, and
+loaded on first use.
 
 A producer::
 
@@ -22,6 +23,11 @@ A consumer, in another process::
     with bufbroker.Client() as c, c.adopt(token) as buf:
         if buf.wait(timeout=5) == "ready":
             data = np.frombuffer(buf.view(), dtype=np.float32)
+
+Typed views for DLPack and numpy, no copy::
+
+    x = np.from_dlpack(buf.as_tensor("float32", (rows, cols)))
+    t = torch.from_dlpack(buf.as_tensor(torch.float16, (rows, cols)))
 
 See python/README.md for the whole API and its lifetime rules.
 """
