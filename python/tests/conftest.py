@@ -84,6 +84,28 @@ def wait_until_parked(daemon, want, timeout=5):
         time.sleep(0.005)
 
 
+def run_child(target, *args):
+    """Run target(*args, conn) in a child process (multiprocessing, spawn)
+    and return the one thing it sends on conn; fails the test unless it
+    sends within 60 s and exits 0. target lives in an importable module
+    (bbchild)."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    # A pipe, not a Queue: a Queue's feeder thread dies with os._exit.
+    mine, theirs = spawn.Pipe()
+    p = spawn.Process(target=target, args=(*args, theirs))
+    p.start()
+    theirs.close()
+    try:
+        assert mine.poll(60), "the child sent nothing in 60 s"
+        got = mine.recv()
+    finally:
+        p.join(60)
+    assert p.exitcode == 0, f"the child exited {p.exitcode}"
+    return got
+
+
 def child_env(**extra):
     """The environment for child processes: this one, with the package on
     PYTHONPATH and the library named."""

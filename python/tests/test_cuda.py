@@ -169,25 +169,14 @@ def test_cuda_capsule_fields_and_its_deleter(cuda_client):
 
 
 def test_cuda_dlpack_device_is_the_ordinal_of_the_mapping_process(cuda_client, monkeypatch):
-    import multiprocessing
-
     import bbchild
+    from conftest import run_child
 
     with cuda_client.alloc(8192, kind="cuda", device=0) as buf:
         token = buf.ref().take()
         # The child sees the daemon's device 0 as its device 1.
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
-        ctx = multiprocessing.get_context("spawn")
-        mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=bbchild.cuda_capsule, args=(cuda_client.socket, token, theirs))
-        p.start()
-        theirs.close()
-        try:
-            assert mine.poll(60), "the child sent nothing"
-            ptr, tensor_device, buf_device, name, f = mine.recv()
-        finally:
-            p.join(60)
-        assert p.exitcode == 0
+        ptr, tensor_device, buf_device, name, f = run_child(bbchild.cuda_capsule, cuda_client.socket, token)
         assert tensor_device == buf_device == (2, 1)
         assert name == "dltensor"
         assert f["device"] == (2, 1)

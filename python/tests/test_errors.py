@@ -125,7 +125,6 @@ def test_a_refused_socket_is_a_permission_error(daemon, tmp_path):
         "    print('denied')\n"
     )
     env = child_env()
-    preexec = None
     if os.getuid() == 0:
         assert os.stat(daemon.dir).st_mode & 0o777 == 0o700
         shared = tempfile.mkdtemp(prefix="bbpy-nobody-", dir="/tmp")

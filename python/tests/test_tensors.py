@@ -3,7 +3,6 @@ back as a C consumer would), typed views, lifetimes, and two processes
 sharing memory through numpy."""
 
 import gc
-import multiprocessing
 
 import numpy as np
 import pytest
@@ -11,24 +10,10 @@ import pytest
 import bbchild
 import bufbroker
 from bufbroker import _dlpack
+from conftest import run_child
 
-SPAWN = multiprocessing.get_context("spawn")
 kDLCPU, kDLCUDA = 1, 2
 kDLInt, kDLUInt, kDLFloat, kDLBfloat = 0, 1, 2, 4
-
-
-def run_child(target, *args):
-    mine, theirs = SPAWN.Pipe()
-    p = SPAWN.Process(target=target, args=(*args, theirs))
-    p.start()
-    theirs.close()
-    try:
-        assert mine.poll(60), "the child sent nothing in 60 s"
-        got = mine.recv()
-    finally:
-        p.join(60)
-    assert p.exitcode == 0, f"the child exited {p.exitcode}"
-    return got
 
 
 def address(a):
@@ -195,14 +180,25 @@ def test_numpy_array_from_dlpack_keeps_the_buffer_until_it_goes(client):
     before = _dlpack.live_exports()
     buf = client.alloc(4096)
     id_ = buf.id
-    cap_owner = buf.as_tensor("uint32")
-    cap = cap_owner.__dlpack__()
-    spy = bbchild.CountedDeleter(cap)
-    # np.from_dlpack calls __dlpack__ itself: hand it an object that gives
-    # this (spied) capsule.
-    a = np.from_dlpack(type("Given", (), {"__dlpack__": lambda self, **kw: cap,
-                                          "__dlpack_device__": lambda self: (kDLCPU, 0)})())
-    del cap, cap_owner
+
+    class Spied:
+        """Gives numpy a capsule whose deleter the test watches."""
+
+        def __init__(self, tensor):
+            self.capsule = tensor.__dlpack__()
+            self.spy = bbchild.CountedDeleter(self.capsule)
+
+        def __dlpack__(self, **kwargs):
+            capsule, self.capsule = self.capsule, None
+            return capsule
+
+        def __dlpack_device__(self):
+            return (kDLCPU, 0)
+
+    given = Spied(buf.as_tensor("uint32"))
+    spy = given.spy
+    a = np.from_dlpack(given)
+    del given
     buf.close()
     gc.collect()
     assert a.sum() == 0
