@@ -23,6 +23,7 @@ import ctypes
 import functools
 import importlib
 import math
+import operator
 import os
 import sys
 import threading
@@ -96,8 +97,10 @@ def _invalid(message: str) -> InvalidArgument:
 
 
 def _uint(what: str, value: object, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # Any integer type (numpy's too: __index__), never a bool or a float.
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise _invalid(f"{what} must be an int, not {type(value).__name__}")
+    value = operator.index(value)
     if value < 0 or value > maximum:
         raise _invalid(f"{what} {value} is out of range (0..{maximum})")
     return value
@@ -898,7 +901,7 @@ class Tensor:
                 )
             dims: Tuple[int, ...] = (n,)
         else:
-            seq = (shape,) if isinstance(shape, int) else tuple(shape)
+            seq = (shape,) if hasattr(shape, "__index__") else tuple(shape)
             dims = tuple(_uint("a dimension", d, 2**63 - 1) for d in seq)
         nbytes = math.prod(dims) * dt.itemsize
         if offset + nbytes > buf.size:

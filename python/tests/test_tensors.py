@@ -54,6 +54,12 @@ def test_dtype_spellings_name_the_same_type(client):
         assert buf.as_tensor(np.bool_).dtype == "bool"
 
 
+def test_numpy_integers_give_shapes_and_offsets(client):
+    with client.alloc(64) as buf:
+        assert buf.as_tensor("uint8", np.int64(4)).shape == (4,)
+        assert buf.as_tensor("uint8", (np.int32(2), 3), offset=np.uint8(1)).shape == (2, 3)
+
+
 def test_bad_views_are_invalid_arguments(client):
     with client.alloc(4096) as buf:
         for call in (
