@@ -13,6 +13,9 @@ Lifetimes, and why they are safe:
   when the last of the Buffer and its views goes. ``Client.close()`` with
   views alive closes the client for use at once and defers the disconnect
   (which would unmap) until the last view is gone.
+* A Tensor (``Buffer.as_tensor``) is such an export, and so is every
+  DLPack capsule it makes: the capsule's count goes when its consumer
+  calls the tensor's deleter, or when the capsule dies unused.
 * Every call that uses a handle holds a temporary count and pins the
   connection for its duration, so a close() on another thread cannot free
   a handle under a call in progress.
