@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """tensors.py: share a float32 matrix between two connections through numpy
 and DLPack, with no copy.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DLPack capsules made with ctypes (no compiled extension).
 
 The structs mirror dlpack.h (https://dmlc.github.io/dlpack/latest/): the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tensors without glue: numpy's array interface, DLPack capsules (read
 back as a C consumer would), typed views, lifetimes, and two processes
 sharing memory through numpy."""

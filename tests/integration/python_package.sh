@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The Python package installs offline with Debian's tools, and the installed
 # package finds the installed library:
 #  - pip install --no-build-isolation into a virtual environment (what a
@@ -7,7 +8,8 @@
 #    Debian's pybuild does for python3-bufbroker);
 #  - each carries py.typed and the version of the CMake project;
 #  - the installed package, with neither PYTHONPATH nor $BUFBROKER_LIBRARY,
-#    loads libbufbroker.so.0 through the dynamic loader's search path and
+#    loads libbufbroker.so.0 through the dynamic loader's search path, and
+#    with $BUFBROKER_LIBRARY the library it names, not the loader's; and it
 #    runs examples/python/tensors.py against a daemon.
 #
 # ctest sets BUFBROKERD, BB_SOURCE_DIR and BB_BUILD_DIR.
@@ -87,6 +89,17 @@ import bufbroker, bufbroker._native as n
 bufbroker.Client(__import__("sys").argv[1]).close()
 print(n.lib()._name)' "$SOCK") || fail "the installed package could not connect (exit $?)"
 [[ $out == libbufbroker.so.0 ]] || fail "it loaded $out, not libbufbroker.so.0 by its soname"
+STEP="\$BUFBROKER_LIBRARY overrides the loader's search"
+mkdir "$DIR/elsewhere"
+cp "$LIB" "$DIR/elsewhere/libbb-copy.so"
+out=$(cd "$DIR" && env ${asan:+LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0} LD_LIBRARY_PATH="$BB_BUILD_DIR" \
+	BUFBROKER_LIBRARY="$DIR/elsewhere/libbb-copy.so" timeout 60 "$VPY" -c '
+import bufbroker, bufbroker._native as n
+bufbroker.Client(__import__("sys").argv[1]).close()
+print(n.lib()._name)' "$SOCK") || fail "the installed package could not connect (exit $?)"
+[[ $out == "$DIR/elsewhere/libbb-copy.so" ]] || fail "it loaded $out, not \$BUFBROKER_LIBRARY"
+
+STEP="examples/python/tensors.py with the installed package"
 out=$(cd "$DIR" && env ${asan:+LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0} LD_LIBRARY_PATH="$BB_BUILD_DIR" \
 	timeout 60 "$VPY" "$BB_SOURCE_DIR/examples/python/tensors.py" --socket "$SOCK" --rows 64 --cols 96) ||
 	fail "examples/python/tensors.py exited $?"

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The Python package's type hints: mypy --strict (Debian's mypy, which runs
 # on /usr/bin/python3 and so sees Debian's numpy and its stubs) on the
 # package python/bufbroker and on the example programs that use it
