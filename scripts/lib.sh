@@ -13,7 +13,10 @@ BB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # (tests/integration/service_sandbox.sh); yamllint and python3-kubernetes
 # (the Kubernetes API's schema, offline) check deploy/kubernetes; clang builds
 # the fuzz target and libclang-rt-dev holds its libFuzzer runtime; python3,
-# python3-pytest and python3-numpy run the Python binding's tests;
+# python3-pytest and python3-numpy run the Python binding's tests; mypy
+# checks its type hints, and python3-pip, -venv, -build, -installer,
+# -setuptools and -wheel install it as users and Debian's pybuild do
+# (tests/integration/python_types.sh, python_package.sh);
 # redis-server, libhiredis-dev and gnuplot-nox are the benchmark's Redis
 # baseline and plots (bench/run.sh); libmicrohttpd serves the metrics
 # endpoint and curl scrapes it in its test; dpkg-dev (dpkg-shlibdeps) and
@@ -33,6 +36,7 @@ BB_PACKAGES=(
 	systemd strace clang libclang-rt-dev
 	yamllint python3-kubernetes python3-yaml
 	python3 python3-pytest python3-numpy
+	mypy python3-pip python3-venv python3-build python3-installer python3-setuptools python3-wheel
 	redis-server libhiredis-dev gnuplot-nox
 	dpkg-dev file
 	debhelper dh-python lintian strace

@@ -15,19 +15,20 @@ byte matches, 1 otherwise, 2 on bad usage.
 
 import argparse
 import sys
+from typing import Callable, List, Optional
 
 import bufbroker
 
 
-def pattern_bytes(size, pattern):
+def pattern_bytes(size: int, pattern: int) -> bytes:
     """Byte i is (i*31 + pattern) & 0xff, exactly as the producers write it."""
     period = bytes((i * 31 + pattern) & 0xFF for i in range(256))
     reps, rest = divmod(size, 256)
     return period * reps + period[:rest]
 
 
-def number(what, minimum, maximum):
-    def parse(text):
+def number(what: str, minimum: int, maximum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
         try:
             v = int(text, 0)
         except ValueError:
@@ -39,7 +40,7 @@ def number(what, minimum, maximum):
     return parse
 
 
-def main(argv=None):
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="consumer.py", description=__doc__.splitlines()[0])
     ap.add_argument("--socket", help="the daemon's socket (default: $BUFBROKER_SOCKET or the default)")
     ap.add_argument("--name", help="open the buffer by name instead of adopting a token")

@@ -19,11 +19,12 @@ libbufbroker (or $BUFBROKER_LIBRARY naming it).
 
 import argparse
 import sys
+from typing import Callable, List, Optional
 
 import bufbroker
 
 
-def pattern_bytes(size, pattern):
+def pattern_bytes(size: int, pattern: int) -> bytes:
     """The buffer's expected contents: byte i is (i*31 + pattern) & 0xff.
     It repeats every 256 bytes (31*256 is a multiple of 256)."""
     period = bytes((i * 31 + pattern) & 0xFF for i in range(256))
@@ -31,8 +32,8 @@ def pattern_bytes(size, pattern):
     return period * reps + period[:rest]
 
 
-def number(what, maximum):
-    def parse(text):
+def number(what: str, maximum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
         try:
             v = int(text, 0)
         except ValueError:
@@ -44,7 +45,7 @@ def number(what, maximum):
     return parse
 
 
-def main(argv=None):
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="producer.py", description=__doc__.splitlines()[0])
     ap.add_argument("--socket", help="the daemon's socket (default: $BUFBROKER_SOCKET or the default)")
     ap.add_argument("--name", default="example", help="the buffer's name (default: example)")

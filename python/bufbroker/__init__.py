@@ -3,8 +3,9 @@
 processes with reference counts the daemon keeps.
 
 Pure ctypes over libbufbroker (no compiled extension). The library is found
-through ``$BUFBROKER_LIBRARY``, else ``ctypes.util.find_library("bufbroker")``,
-else ``libbufbroker.so.0``, and loaded on first use.
+through ``$BUFBROKER_LIBRARY``, else as ``libbufbroker.so.0`` through the
+dynamic loader, else by ``ctypes.util.find_library("bufbroker")``, and
+loaded on first use.
 
 A producer::
 
@@ -24,6 +25,11 @@ A consumer, in another process::
         if buf.wait(timeout=5) == "ready":
             data = np.frombuffer(buf.view(), dtype=np.float32)
 
+Typed views for DLPack and numpy, no copy::
+
+    x = np.from_dlpack(buf.as_tensor("float32", (rows, cols)))
+    t = torch.from_dlpack(buf.as_tensor(torch.float16, (rows, cols)))
+
 See python/README.md for the whole API and its lifetime rules.
 """
 
@@ -41,7 +47,7 @@ from ._native import (
     TOKEN_SIZE,
     library_candidates,
 )
-from .client import Buffer, Client, CudaIpc, Info, strerror
+from .client import Buffer, Client, CudaIpc, Info, Tensor, strerror
 from .errors import (
     ERR_DENIED,
     ERR_DISCONNECTED,
@@ -77,6 +83,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client",
     "Buffer",
+    "Tensor",
     "Info",
     "CudaIpc",
     "strerror",

@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 # Sizes from the header.
 IPC_HANDLE_SIZE = 64
@@ -69,7 +70,7 @@ _buf_p = ctypes.c_void_p  # bb_buf *
 _P = ctypes.POINTER
 
 # name: (restype, argtypes)
-_PROTOTYPES = {
+_PROTOTYPES: Dict[str, Tuple[Any, List[Any]]] = {
     "bb_connect": (ctypes.c_int, [ctypes.c_char_p, _P(_client_p)]),
     "bb_disconnect": (None, [_client_p]),
     "bb_alloc": (ctypes.c_int, [_client_p, _P(bb_alloc_opts), _P(_buf_p)]),
@@ -97,27 +98,44 @@ _PROTOTYPES = {
     "bb_last_error": (ctypes.c_char_p, []),
 }
 
+#: The library's soname: the ABI this package is written for.
+SONAME = "libbufbroker.so.0"
+
 _lock = threading.Lock()
-_lib = None
+_lib: Optional[ctypes.CDLL] = None
 
 
-def library_candidates():
+def library_candidates() -> List[str]:
     """The names ``lib()`` tries, in order: $BUFBROKER_LIBRARY (alone, when
-    set), else what ``ctypes.util.find_library("bufbroker")`` finds, then
-    ``libbufbroker.so.0``."""
+    set); else ``libbufbroker.so.0`` through the dynamic loader's search
+    (``LD_LIBRARY_PATH``, the ``ldconfig`` cache, the system's library
+    directories: where the installed library is), then what
+    ``ctypes.util.find_library("bufbroker")`` finds when that is another
+    name (it may run ``ldconfig`` and the compiler: ``lib()`` asks it only
+    when the soname does not load)."""
     env = os.environ.get("BUFBROKER_LIBRARY")
     if env:
         return [env]
-    names = []
+    names = [SONAME]
     found = ctypes.util.find_library("bufbroker")
-    if found:
+    if found and found not in names:
         names.append(found)
-    if "libbufbroker.so.0" not in names:
-        names.append("libbufbroker.so.0")
     return names
 
 
-def lib():
+def _candidates() -> Iterator[str]:
+    """library_candidates(), lazily: find_library only when needed."""
+    env = os.environ.get("BUFBROKER_LIBRARY")
+    if env:
+        yield env
+        return
+    yield SONAME
+    found = ctypes.util.find_library("bufbroker")
+    if found and found != SONAME:
+        yield found
+
+
+def lib() -> ctypes.CDLL:
     """The loaded libbufbroker with its prototypes declared; loads it on the
     first call. Raises OSError naming every path tried when none loads."""
     global _lib
@@ -127,7 +145,7 @@ def lib():
         if _lib is not None:
             return _lib
         errors = []
-        for name in library_candidates():
+        for name in _candidates():
             try:
                 handle = ctypes.CDLL(name)
             except OSError as e:
@@ -148,13 +166,40 @@ def lib():
         )
 
 
-def last_error():
+def last_error() -> str:
     """bb_last_error() as text: the calling thread's last failure."""
-    raw = lib().bb_last_error()
+    raw: Optional[bytes] = lib().bb_last_error()
     return raw.decode("utf-8", "replace") if raw else ""
 
 
-def strerror(code):
+def strerror(code: int) -> str:
     """bb_strerror(code) as text."""
-    raw = lib().bb_strerror(code)
+    raw: Optional[bytes] = lib().bb_strerror(code)
     return raw.decode("utf-8", "replace") if raw else ""
+
+
+def cuda_ordinal(uuid: bytes) -> int:
+    """This process's ordinal of the CUDA device with this UUID, as the
+    driver libbufbroker loads ($BUFBROKER_CUDA_LIBRARY, default
+    libcuda.so.1; the same instance, so the same visible devices) numbers
+    them. OSError when the driver cannot be loaded or asked, LookupError
+    when no visible device has that UUID."""
+    name = os.environ.get("BUFBROKER_CUDA_LIBRARY") or "libcuda.so.1"
+    drv = ctypes.CDLL(name)
+    get_uuid = getattr(drv, "cuDeviceGetUuid_v2", None) or drv.cuDeviceGetUuid
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise OSError(f"{name}: {what} failed: CUresult {rc}")
+
+    check(drv.cuInit(0), "cuInit")
+    count = ctypes.c_int()
+    check(drv.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+    for ordinal in range(count.value):
+        dev = ctypes.c_int()
+        raw = (ctypes.c_ubyte * 16)()
+        check(drv.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+        check(get_uuid(raw, dev), "cuDeviceGetUuid")
+        if bytes(raw) == uuid:
+            return ordinal
+    raise LookupError(f"no CUDA device in this process has UUID {uuid.hex()}")

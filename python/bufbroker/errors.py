@@ -7,6 +7,8 @@ chosen by its ``BB_ERR_*`` code; ``.code`` is that (negative) code and
 the daemon's own sentence when it gave one.
 """
 
+from typing import Dict, Optional, Tuple, Type
+
 # The codes, their sentences and classes mirror libbufbroker's table
 # (common/status.c): python/tests/test_errors.py checks them against the
 # library's bb_err_name and bb_strerror, so a code added there fails it
@@ -26,7 +28,7 @@ ERR_EXISTS = -11
 ERR_SYSTEM = -12
 
 # The sentences of bb_strerror, for when the library itself cannot be asked.
-_STRERROR = {
+_STRERROR: Dict[int, str] = {
     OK: "success",
     ERR_INVALID: "invalid argument",
     ERR_NOT_FOUND: "no such buffer, name or token",
@@ -46,26 +48,34 @@ _STRERROR = {
 class BufbrokerError(Exception):
     """A libbufbroker call failed.
 
+    Most subclasses are also the builtin exception a caller would catch for
+    the same trouble (``InvalidArgument`` is a ``ValueError``, ``Timeout`` a
+    ``TimeoutError``, ``Disconnected`` a ``ConnectionError``, ``Denied`` a
+    ``PermissionError``, ``NoMemory`` a ``MemoryError``, ``NotFound`` a
+    ``LookupError``).
+
     Attributes:
         code: the ``BB_ERR_*`` code (a negative int, see ``bufbroker.ERR_*``).
         message: what went wrong, as ``bb_last_error()`` said it.
     """
 
     #: The code this class stands for (None for the base class).
-    default_code = None
+    default_code: Optional[int] = None
 
-    def __init__(self, code, message=""):
+    def __init__(self, code: int, message: str = "") -> None:
         self.code = code
         self.message = message or _STRERROR.get(code, f"error {code}")
+        # With an OSError base (TimeoutError, ConnectionError,
+        # PermissionError) one argument leaves errno and strerror None.
         super().__init__(self.message)
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.message
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}(code={self.code}, message={self.message!r})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Type["BufbrokerError"], Tuple[int, str]]:
         # Rebuild from (code, message), e.g. across multiprocessing.
         return (type(self), (self.code, self.message))
 
@@ -82,26 +92,30 @@ class NotFound(BufbrokerError, LookupError):
     default_code = ERR_NOT_FOUND
 
 
-class Denied(BufbrokerError):
-    """BB_ERR_DENIED: the share policy or the socket's permissions refuse it."""
+class Denied(BufbrokerError, PermissionError):
+    """BB_ERR_DENIED: the share policy or the socket's permissions refuse it
+    (also a PermissionError)."""
 
     default_code = ERR_DENIED
 
 
-class NoMemory(BufbrokerError):
-    """BB_ERR_NO_MEMORY: a quota, a limit or the device is full."""
+class NoMemory(BufbrokerError, MemoryError):
+    """BB_ERR_NO_MEMORY: a quota, a limit or the device is full (also a
+    MemoryError)."""
 
     default_code = ERR_NO_MEMORY
 
 
-class Timeout(BufbrokerError):
-    """BB_ERR_TIMEOUT: the buffer was still pending when the timeout passed."""
+class Timeout(BufbrokerError, TimeoutError):
+    """BB_ERR_TIMEOUT: the buffer was still pending when the timeout passed
+    (also a TimeoutError)."""
 
     default_code = ERR_TIMEOUT
 
 
-class Disconnected(BufbrokerError):
-    """BB_ERR_DISCONNECTED: the daemon is gone (or cannot be reached)."""
+class Disconnected(BufbrokerError, ConnectionError):
+    """BB_ERR_DISCONNECTED: the daemon is gone (or cannot be reached) (also
+    a ConnectionError)."""
 
     default_code = ERR_DISCONNECTED
 
@@ -142,7 +156,7 @@ class SystemFailure(BufbrokerError):
     default_code = ERR_SYSTEM
 
 
-_BY_CODE = {
+_BY_CODE: Dict[Optional[int], Type[BufbrokerError]] = {
     cls.default_code: cls
     for cls in (
         InvalidArgument,
@@ -161,12 +175,12 @@ _BY_CODE = {
 }
 
 
-def error_class(code):
+def error_class(code: int) -> Type[BufbrokerError]:
     """The BufbrokerError subclass for a BB_ERR_* code (the base class for a
     code this version does not know)."""
     return _BY_CODE.get(code, BufbrokerError)
 
 
-def error_for(code, message=""):
+def error_for(code: int, message: str = "") -> BufbrokerError:
     """A new exception of the right class for code, carrying message."""
     return error_class(code)(code, message)

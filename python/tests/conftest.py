@@ -85,6 +85,28 @@ def wait_until_parked(daemon, want, timeout=5):
         time.sleep(0.005)
 
 
+def run_child(target, *args):
+    """Run target(*args, conn) in a child process (multiprocessing, spawn)
+    and return the one thing it sends on conn; fails the test unless it
+    sends within 60 s and exits 0. target lives in an importable module
+    (bbchild)."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    # A pipe, not a Queue: a Queue's feeder thread dies with os._exit.
+    mine, theirs = spawn.Pipe()
+    p = spawn.Process(target=target, args=(*args, theirs))
+    p.start()
+    theirs.close()
+    try:
+        assert mine.poll(60), "the child sent nothing in 60 s"
+        got = mine.recv()
+    finally:
+        p.join(60)
+    assert p.exitcode == 0, f"the child exited {p.exitcode}"
+    return got
+
+
 def child_env(**extra):
     """The environment for child processes: this one, with the package on
     PYTHONPATH and the library named."""
@@ -163,8 +185,8 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _start(extra_env=None):
-    return Daemon(executable("BUFBROKERD", "bufbrokerd"), extra_env)
+def _start(extra_env=None, args=()):
+    return Daemon(executable("BUFBROKERD", "bufbrokerd"), extra_env, args)
 
 
 def _finish(d):
@@ -188,12 +210,13 @@ def daemon():
 
 @pytest.fixture
 def start_daemon():
-    """A factory for daemons with extra environment (e.g. a CUDA driver);
-    each is stopped like the daemon fixture's."""
+    """A factory for daemons with extra environment (e.g. a CUDA driver)
+    and extra command-line arguments; each is stopped like the daemon
+    fixture's."""
     started = []
 
-    def start(extra_env=None):
-        d = _start(extra_env)
+    def start(extra_env=None, args=()):
+        d = _start(extra_env, args)
         started.append(d)
         return d
 

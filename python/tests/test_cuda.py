@@ -113,3 +113,74 @@ def test_bytes_written_at_the_interface_pointer_reach_another_process(cuda_clien
         assert p.exitcode == 0
         assert state == "ready"
         assert got == data
+
+
+def test_cuda_buffers_give_numpy_a_clear_error_not_an_object_array(cuda_client):
+    import numpy as np
+
+    with cuda_client.alloc(4096, kind="cuda") as buf:
+        assert not hasattr(buf, "__array_interface__")
+        with pytest.raises(TypeError, match="CUDA memory"):
+            np.asarray(buf)
+        t = buf.as_tensor("float32")
+        assert not hasattr(t, "__array_interface__")
+        with pytest.raises(TypeError, match="CUDA memory"):
+            np.asarray(t)
+
+
+def test_cuda_tensor_keeps_the_array_interface_v3_with_its_dtype(cuda_client):
+    with cuda_client.alloc(1 << 16, kind="cuda") as buf:
+        ptr = buf.__cuda_array_interface__["data"][0]
+        t = buf.as_tensor("float16", (64, 8), offset=512)
+        cai = t.__cuda_array_interface__
+        assert cai == {"shape": (64, 8), "typestr": "<f2", "data": (ptr + 512, False), "strides": None, "version": 3}
+
+
+def test_cuda_capsule_fields_and_its_deleter(cuda_client):
+    import bbchild
+
+    buf = cuda_client.alloc(1 << 16, kind="cuda", device=1)
+    id_ = buf.id
+    ptr = buf.__cuda_array_interface__["data"][0]
+    t = buf.as_tensor("int32", (16, 4, 2), offset=1024)
+    # This process sees every fake device in order: its ordinal is the daemon's.
+    assert t.__dlpack_device__() == buf.__dlpack_device__() == (2, 1)
+    for max_version in (None, (1, 0)):
+        cap = t.__dlpack__(stream=7, max_version=max_version)
+        f = bbchild.tensor_fields(cap)
+        assert f["device"] == (2, 1), "kDLCUDA, device 1"
+        assert f["data"] == ptr + 1024 and f["byte_offset"] == 0
+        assert (f["ndim"], f["shape"], f["dtype"]) == (3, (16, 4, 2), (0, 32, 1))
+        assert f["strides"] in (None, (8, 2, 1))
+        spy = bbchild.CountedDeleter(cap)
+        bbchild.consume_by_hand(cap)
+        del cap
+        assert spy.calls == 1
+    cap = t.__dlpack__()
+    spy = bbchild.CountedDeleter(cap)
+    buf.close()
+    del t, buf
+    gc.collect()
+    assert cuda_client.stat(id_).refs == 1, "the capsule holds the buffer"
+    del cap
+    assert spy.calls == 1
+    gc.collect()
+    with pytest.raises(bufbroker.NotFound):
+        cuda_client.stat(id_)
+
+
+def test_cuda_dlpack_device_is_the_ordinal_of_the_mapping_process(cuda_client, monkeypatch):
+    import bbchild
+    from conftest import run_child
+
+    with cuda_client.alloc(8192, kind="cuda", device=0) as buf:
+        token = buf.ref().take()
+        # The child sees the daemon's device 0 as its device 1.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+        ptr, tensor_device, buf_device, name, f = run_child(bbchild.cuda_capsule, cuda_client.socket, token)
+        assert tensor_device == buf_device == (2, 1)
+        assert name == "dltensor"
+        assert f["device"] == (2, 1)
+        assert f["data"] == ptr + 256 and f["byte_offset"] == 0
+        assert (f["ndim"], f["shape"], f["dtype"]) == (2, (4, 8), (2, 32, 1))
+        assert f["strides"] in (None, (8, 1))

@@ -6,8 +6,11 @@ import ctypes
 import gc
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +75,93 @@ def test_errors_py_has_every_code_of_the_c_table_and_no_other():
     c_codes = {code for code, _, _ in rows}
     assert set(constants.values()) == c_codes, "errors.py has codes the library does not"
     assert set(errors._STRERROR) == c_codes
+
+
+BUILTINS = {
+    bufbroker.InvalidArgument: ValueError,
+    bufbroker.NotFound: LookupError,
+    bufbroker.Denied: PermissionError,
+    bufbroker.NoMemory: MemoryError,
+    bufbroker.Timeout: TimeoutError,
+    bufbroker.Disconnected: ConnectionError,
+}
+
+
+def test_exceptions_are_also_the_builtins_that_fit():
+    for cls, builtin in BUILTINS.items():
+        assert issubclass(cls, builtin), f"{cls.__name__} is not a {builtin.__name__}"
+        e = cls(cls.default_code, "why")
+        assert isinstance(e, builtin) and isinstance(e, bufbroker.BufbrokerError)
+        assert (e.code, e.message, str(e), e.args) == (cls.default_code, "why", "why", ("why",))
+        again = pickle.loads(pickle.dumps(e))
+        assert type(again) is cls and (again.code, again.message) == (e.code, e.message)
+        with pytest.raises(builtin):
+            raise e
+
+
+def test_a_missing_daemon_is_a_connection_error(tmp_path):
+    with pytest.raises(ConnectionError) as ei:
+        bufbroker.Client(str(tmp_path / "nothing.sock"))
+    assert type(ei.value) is bufbroker.Disconnected and ei.value.code == bufbroker.ERR_DISCONNECTED
+
+
+def test_a_pending_buffer_wait_is_a_timeout_error(client):
+    with client.alloc(64) as buf, pytest.raises(TimeoutError) as ei:
+        buf.wait(0)
+    assert type(ei.value) is bufbroker.Timeout
+
+
+def test_a_refused_socket_is_a_permission_error(daemon, tmp_path):
+    # A process the socket's permissions refuse: as root, a child as
+    # nobody (the daemon's directory is 0700 and root's), given its own
+    # copy of the package and library, which the checkout may hide from
+    # it; otherwise a child of this user, with the socket file's
+    # permissions taken away.
+    code = (
+        "import sys, bufbroker\n"
+        "try:\n"
+        "    bufbroker.Client(sys.argv[1])\n"
+        "except PermissionError as e:\n"
+        "    assert type(e) is bufbroker.Denied and e.code == bufbroker.ERR_DENIED, repr(e)\n"
+        "    print('denied')\n"
+    )
+    env = child_env()
+    if os.getuid() == 0:
+        assert os.stat(daemon.dir).st_mode & 0o777 == 0o700
+        shared = tempfile.mkdtemp(prefix="bbpy-nobody-", dir="/tmp")
+        try:
+            os.chmod(shared, 0o755)
+            shutil.copytree(Path(bufbroker.__file__).parent, os.path.join(shared, "bufbroker"))
+            shutil.copy(_native.lib()._name, os.path.join(shared, "libbufbroker.so.0"))
+            for root, dirs, files in os.walk(shared):
+                for name in dirs + files:
+                    os.chmod(os.path.join(root, name), 0o755)
+            env.update(PYTHONPATH=shared, BUFBROKER_LIBRARY=os.path.join(shared, "libbufbroker.so.0"))
+            out = subprocess.run(
+                [sys.executable, "-c", code, daemon.socket],
+                env=env,
+                cwd="/",
+                preexec_fn=lambda: os.setuid(65534),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            shutil.rmtree(shared, ignore_errors=True)
+    else:
+        os.chmod(daemon.socket, 0)
+        out = subprocess.run(
+            [sys.executable, "-c", code, daemon.socket], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert out.returncode == 0 and out.stdout.strip() == "denied", out.stdout + out.stderr
+
+
+def test_a_refused_alloc_over_a_limit_is_a_memory_error(start_daemon):
+    d = start_daemon(args=["--uid-host-bytes", "65536"])
+    with bufbroker.Client(d.socket) as c, pytest.raises(MemoryError) as ei:
+        c.alloc(1 << 20)
+    assert type(ei.value) is bufbroker.NoMemory and ei.value.code == bufbroker.ERR_NO_MEMORY
+    assert ei.value.message
 
 
 def test_exceptions_survive_pickling():

@@ -2,7 +2,6 @@
 """Between processes: Python to Python (multiprocessing, spawn), and the
 example programs, Python and C, in every pairing."""
 
-import multiprocessing
 import subprocess
 import sys
 import time
@@ -12,25 +11,7 @@ import pytest
 
 import bbchild
 import bufbroker
-from conftest import EXAMPLES_DIR, child_env, executable
-
-SPAWN = multiprocessing.get_context("spawn")
-
-
-def run_child(target, *args):
-    # A pipe, not a Queue: a Queue's feeder thread dies with os._exit.
-    mine, theirs = SPAWN.Pipe()
-    p = SPAWN.Process(target=target, args=(*args, theirs))
-    p.start()
-    theirs.close()
-    try:
-        assert mine.poll(60), "the child sent nothing in 60 s"
-        got = mine.recv()
-    finally:
-        p.join(60)
-    assert p.exitcode == 0, f"the child exited {p.exitcode}"
-    return got
-
+from conftest import EXAMPLES_DIR, child_env, executable, run_child
 
 def test_python_producer_hands_a_buffer_to_a_python_process(daemon, client):
     buf = client.alloc(1 << 20)
