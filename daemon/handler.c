@@ -817,6 +817,10 @@ static int check_edges(handler *h, char *report, size_t cap)
 				 " bytes) but no %s backend serves them",
 				 t.buffers[k], kind, t.bytes[k], kind);
 		} else if (be && be->usage) {
+			if (be->check) {
+				size_t used = strlen(report);
+				problems += be->check(be, report + used, cap - used);
+			}
 			be->usage(be, &n, &bytes);
 			if (n == t.buffers[k] && bytes == t.bytes[k])
 				continue;
