@@ -552,6 +552,23 @@ Test(vmm_wire, an_old_client_gets_legacy_and_a_clear_refusal_for_vmm_losing_noth
 	bbt_stop_clean(d);
 }
 
+Test(vmm_wire, an_old_client_where_legacy_is_forbidden_is_told_to_upgrade)
+{
+	const char *flags[] = {"--cuda-handle", "vmm", "--cuda-forbid", "legacy", NULL};
+	bbt_daemon *d = start(true, flags);
+	peer old = connect_minor(d, 1);
+	Bufbroker__Response *r =
+		alloc_cuda(&old, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_DEFAULT, NULL);
+	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
+	cr_assert_str_eq(r->status->message,
+			 "legacy CUDA IPC buffers are forbidden by the operator of this daemon "
+			 "(cuda-forbid = legacy); this client speaks protocol 1.1, which maps "
+			 "legacy CUDA buffers only: upgrade libbufbroker");
+	bufbroker__response__free_unpacked(r, NULL);
+	close(old.sock);
+	bbt_stop_clean(d);
+}
+
 /* ---- lifetimes and limits -------------------------------------------------------------- */
 
 typedef struct holder_arg {
