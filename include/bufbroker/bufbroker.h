@@ -189,8 +189,7 @@ int bb_alloc(bb_client *c, const bb_alloc_opts *opts, bb_buf **out);
  * configuration allow it, else LEGACY. VMM buffers share allocations as
  * LEGACY ones do (same device, owner uid and share policy), never with
  * LEGACY ones. */
-int bb_alloc_cuda(bb_client *c, const bb_alloc_opts *opts, bb_cuda_handle handle,
-		  bb_buf **out);
+int bb_alloc_cuda(bb_client *c, const bb_alloc_opts *opts, bb_cuda_handle handle, bb_buf **out);
 /* One more reference to an existing buffer (coalesced per connection: an id
  * this connection already holds returns the same handle, one more count).
  * No such buffer (or name): BB_ERR_NOT_FOUND; its share policy does not
