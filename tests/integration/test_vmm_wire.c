@@ -466,6 +466,36 @@ Test(vmm_wire, a_device_without_fd_export_refuses_vmm_and_says_so)
 	bbt_stop_clean(d);
 }
 
+Test(vmm_wire, a_driver_without_the_vmm_calls_refuses_vmm_naming_what_it_lacks)
+{
+	const char *novmm = getenv("BB_FAKECUDA_NOVMM");
+	cr_assert(novmm && novmm[0], "BB_FAKECUDA_NOVMM is not set (ctest sets it)");
+	fake_env(true);
+	setenv("BUFBROKER_CUDA_LIBRARY", novmm, 1);
+	const char *args[] = {"--cuda-handle", "auto", NULL};
+	bbt_daemon *d = bbt_start(args);
+	peer p = connect_new(d);
+	Bufbroker__Response *r =
+		alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM, NULL);
+	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
+	char want[512];
+	snprintf(want, sizeof(want),
+		 "VMM CUDA buffers cannot be had on device 0: the CUDA driver %s lacks "
+		 "cuMemCreate (too old for VMM allocations)",
+		 novmm);
+	cr_assert_str_eq(r->status->message, want);
+	bufbroker__response__free_unpacked(r, NULL);
+	/* The default auto is legacy there: nothing else changes. */
+	r = alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_DEFAULT, NULL);
+	cr_assert_eq(grant_of(r)->info->cuda_handle, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY);
+	bufbroker__response__free_unpacked(r, NULL);
+	vmm_dev v = device0(&p);
+	cr_assert(!v.vmm);
+	cr_assert(strstr(v.why, "too old for VMM allocations"), "%s", v.why);
+	close(p.sock);
+	bbt_stop_clean(d);
+}
+
 Test(vmm_wire, a_host_buffer_with_a_cuda_handle_is_invalid)
 {
 	bbt_daemon *d = start(true, NULL);
