@@ -86,25 +86,33 @@ typedef struct peer {
 	uint64_t next; /* request ids */
 } peer;
 
-/* Connect and say Hello with protocol 1.minor. */
-static peer connect_minor(const bbt_daemon *d, uint32_t minor)
+/* Hello with protocol 1.minor as request 1; safe in a child. 0 when the
+ * daemon accepted it and speaks 1.2, else -1. */
+static int hello_minor(int sock, uint32_t minor)
 {
-	peer p = {.sock = bbt_raw_connect(d->sock), .next = 1};
-	cr_assert_geq(p.sock, 0, "connect: %s", strerror(-p.sock));
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	Bufbroker__Hello h = BUFBROKER__HELLO__INIT;
 	Bufbroker__Response *resp;
 	h.version_major = 1;
 	h.version_minor = minor;
 	h.client_name = "bbt-vmm";
-	req.id = p.next++;
+	req.id = 1;
 	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
 	req.hello = &h;
-	cr_assert_eq(bbt_raw_send(p.sock, &req, -1), 0);
-	cr_assert_eq(bbt_raw_recv(p.sock, RECV_MS, &resp, NULL), 1);
-	cr_assert(resp->status && resp->status->code == 0);
-	cr_assert_eq(resp->hello->version_minor, 2, "the daemon speaks 1.2");
+	if (bbt_raw_send(sock, &req, -1) || bbt_raw_recv(sock, RECV_MS, &resp, NULL) != 1)
+		return -1;
+	int ok = resp->status && resp->status->code == 0 && resp->hello &&
+		 resp->hello->version_minor == 2;
 	bufbroker__response__free_unpacked(resp, NULL);
+	return ok ? 0 : -1;
+}
+
+/* Connect and say Hello with protocol 1.minor. */
+static peer connect_minor(const bbt_daemon *d, uint32_t minor)
+{
+	peer p = {.sock = bbt_raw_connect(d->sock), .next = 2};
+	cr_assert_geq(p.sock, 0, "connect: %s", strerror(-p.sock));
+	cr_assert_eq(hello_minor(p.sock, minor), 0, "Hello 1.%u refused", minor);
 	return p;
 }
 
@@ -440,20 +448,13 @@ static int mapper(void *arg)
 	mapper_arg *m = arg;
 	int sock = bbt_raw_connect(m->sock), fd = -1, step;
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Hello hello = BUFBROKER__HELLO__INIT;
 	Bufbroker__Response *resp;
 	static unsigned char buf[PATTERN_BYTES];
 	bb_cuda api;
 	if (sock < 0)
 		return 1;
-	hello.version_major = 1;
-	hello.version_minor = 2;
-	req.id = 1;
-	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
-	req.hello = &hello;
-	if (bbt_raw_send(sock, &req, -1) || bbt_raw_recv(sock, 5000, &resp, NULL) != 1)
+	if (hello_minor(sock, 2))
 		return 2;
-	bufbroker__response__free_unpacked(resp, NULL);
 	if (m->write) {
 		Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
 		a.size = PATTERN_BYTES;
@@ -803,17 +804,10 @@ static int holder(void *arg)
 	if (sock < 0)
 		return 1;
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Hello hello = BUFBROKER__HELLO__INIT;
 	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
 	Bufbroker__Response *resp;
-	hello.version_major = 1;
-	hello.version_minor = 2;
-	req.id = 1;
-	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
-	req.hello = &hello;
-	if (bbt_raw_send(sock, &req, -1) || bbt_raw_recv(sock, 5000, &resp, NULL) != 1)
+	if (hello_minor(sock, 2))
 		return 2;
-	bufbroker__response__free_unpacked(resp, NULL);
 	uint64_t sizes[2] = {12 * MIB, 4096};
 	for (int i = 0; i < 2; i++) {
 		a.size = sizes[i];
