@@ -603,30 +603,42 @@ Test(vmm_wire, allocation_fd_sends_the_fd_again_while_a_buffer_of_it_is_held)
 
 /* ---- what cannot be had -------------------------------------------------------------- */
 
-Test(vmm_wire, a_forbidden_kind_is_refused_with_the_key_and_auto_takes_the_other)
+/* On d, where VMM cannot be had: an Alloc asking for VMM is refused with
+ * refusal (the whole message), one asking for other (AUTO, or DEFAULT
+ * where the default is auto) gets a legacy buffer, and ServerStatus says
+ * why (why_part in vmm_unavailable). Stops d. */
+static void vmm_unavailable(bbt_daemon *d, Bufbroker__CudaHandle other, const char *refusal,
+			    const char *why_part)
 {
-	const char *flags[] = {"--cuda-forbid", "vmm", NULL};
-	bbt_daemon *d = start(true, flags);
 	peer p = connect_new(d);
 	Bufbroker__Response *r =
 		alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM, NULL);
 	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
-	cr_assert_str_eq(r->status->message, "VMM CUDA buffers are forbidden by the operator of "
-					     "this daemon (cuda-forbid = vmm)");
+	cr_assert_str_eq(r->status->message, refusal);
 	bufbroker__response__free_unpacked(r, NULL);
-	r = alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_AUTO, NULL);
+	r = alloc_cuda(&p, 4096, other, NULL);
 	cr_assert_eq(grant_of(r)->info->cuda_handle, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY);
 	bufbroker__response__free_unpacked(r, NULL);
 	vmm_dev v = device0(&p);
 	cr_assert(!v.vmm);
-	cr_assert(strstr(v.why, "cuda-forbid = vmm"), "%s", v.why);
+	cr_assert(strstr(v.why, why_part), "%s", v.why);
 	close(p.sock);
 	bbt_stop_clean(d);
+}
+
+Test(vmm_wire, a_forbidden_kind_is_refused_with_the_key_and_auto_takes_the_other)
+{
+	const char *flags[] = {"--cuda-forbid", "vmm", NULL};
+	vmm_unavailable(start(true, flags), BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_AUTO,
+			"VMM CUDA buffers are forbidden by the operator of this daemon "
+			"(cuda-forbid = vmm)",
+			"cuda-forbid = vmm");
 
 	const char *legacy[] = {"--cuda-handle", "vmm", "--cuda-forbid", "legacy", NULL};
-	d = start(true, legacy);
-	p = connect_new(d);
-	r = alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY, NULL);
+	bbt_daemon *d = start(true, legacy);
+	peer p = connect_new(d);
+	Bufbroker__Response *r =
+		alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY, NULL);
 	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
 	cr_assert(strstr(r->status->message, "cuda-forbid = legacy"), "%s", r->status->message);
 	bufbroker__response__free_unpacked(r, NULL);
@@ -636,23 +648,11 @@ Test(vmm_wire, a_forbidden_kind_is_refused_with_the_key_and_auto_takes_the_other
 
 Test(vmm_wire, a_device_without_fd_export_refuses_vmm_and_says_so)
 {
-	bbt_daemon *d = start(false, NULL);
-	peer p = connect_new(d);
-	Bufbroker__Response *r =
-		alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM, NULL);
-	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
-	cr_assert(strstr(r->status->message, "device 0 cannot export allocations as file "
-					     "descriptors"),
-		  "%s", r->status->message);
-	bufbroker__response__free_unpacked(r, NULL);
-	r = alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_AUTO, NULL);
-	cr_assert_eq(grant_of(r)->info->cuda_handle, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY);
-	bufbroker__response__free_unpacked(r, NULL);
-	vmm_dev v = device0(&p);
-	cr_assert(!v.vmm);
-	cr_assert(strstr(v.why, "POSIX_FILE_DESCRIPTOR_SUPPORTED"), "%s", v.why);
-	close(p.sock);
-	bbt_stop_clean(d);
+	vmm_unavailable(start(false, NULL), BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_AUTO,
+			"VMM CUDA buffers cannot be had on device 0: device 0 cannot export "
+			"allocations as file descriptors "
+			"(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: 0)",
+			"POSIX_FILE_DESCRIPTOR_SUPPORTED");
 }
 
 Test(vmm_wire, a_driver_without_the_vmm_calls_refuses_vmm_naming_what_it_lacks)
@@ -662,27 +662,14 @@ Test(vmm_wire, a_driver_without_the_vmm_calls_refuses_vmm_naming_what_it_lacks)
 	fake_env(true);
 	setenv("BUFBROKER_CUDA_LIBRARY", novmm, 1);
 	const char *args[] = {"--cuda-handle", "auto", NULL};
-	bbt_daemon *d = bbt_start(args);
-	peer p = connect_new(d);
-	Bufbroker__Response *r =
-		alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM, NULL);
-	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
 	char want[512];
 	snprintf(want, sizeof(want),
 		 "VMM CUDA buffers cannot be had on device 0: the CUDA driver %s lacks "
 		 "cuMemCreate (too old for VMM allocations)",
 		 novmm);
-	cr_assert_str_eq(r->status->message, want);
-	bufbroker__response__free_unpacked(r, NULL);
-	/* The default auto is legacy there: nothing else changes. */
-	r = alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_DEFAULT, NULL);
-	cr_assert_eq(grant_of(r)->info->cuda_handle, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY);
-	bufbroker__response__free_unpacked(r, NULL);
-	vmm_dev v = device0(&p);
-	cr_assert(!v.vmm);
-	cr_assert(strstr(v.why, "too old for VMM allocations"), "%s", v.why);
-	close(p.sock);
-	bbt_stop_clean(d);
+	/* The default, auto, is legacy there. */
+	vmm_unavailable(bbt_start(args), BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_DEFAULT, want,
+			"too old for VMM allocations");
 }
 
 Test(vmm_wire, a_host_buffer_with_a_cuda_handle_is_invalid)
