@@ -197,6 +197,7 @@ Test(cuda_vmm, default_is_the_configured_kind)
 	start();
 	backend_mem m = alloc_kind(4096, BB_CUDA_HANDLE_DEFAULT, BB_CUDA_HANDLE_LEGACY);
 	be->free(be, &m);
+	drain();
 	be->destroy(be);
 	be = NULL;
 	start_with(BB_CUDA_HANDLE_VMM, 0, 16);
