@@ -92,8 +92,9 @@ static void hello(seed *s, int conn, uint32_t major)
 	request(s, SEND(conn), &r);
 }
 
-static void alloc_on(seed *s, int conn, uint64_t size, int kind, int32_t device, const char *name,
-		     uint32_t share)
+/* An Alloc asking for CUDA handle kind handle (protocol 1.2; 0: none). */
+static void alloc_handle(seed *s, int conn, uint64_t size, int kind, int32_t device,
+			 const char *name, uint32_t share, int handle)
 {
 	Bufbroker__Request r = BUFBROKER__REQUEST__INIT;
 	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
@@ -102,9 +103,16 @@ static void alloc_on(seed *s, int conn, uint64_t size, int kind, int32_t device,
 	a.kind = (Bufbroker__Kind)kind;
 	a.name = (char *)(name ? name : "");
 	a.share = share;
+	a.cuda_handle = (Bufbroker__CudaHandle)handle;
 	r.op_case = BUFBROKER__REQUEST__OP_ALLOC;
 	r.alloc = &a;
 	request(s, SEND(conn), &r);
+}
+
+static void alloc_on(seed *s, int conn, uint64_t size, int kind, int32_t device, const char *name,
+		     uint32_t share)
+{
+	alloc_handle(s, conn, size, kind, device, name, share, 0);
 }
 
 static void alloc(seed *s, int conn, uint64_t size, int kind, const char *name, uint32_t share)
@@ -267,6 +275,17 @@ static void check(seed *s, int conn)
 	Bufbroker__Check c = BUFBROKER__CHECK__INIT;
 	r.op_case = BUFBROKER__REQUEST__OP_CHECK;
 	r.check = &c;
+	request(s, SEND(conn), &r);
+}
+
+/* AllocationFd (1.2) for allocation. */
+static void allocation_fd(seed *s, int conn, uint64_t allocation)
+{
+	Bufbroker__Request r = BUFBROKER__REQUEST__INIT;
+	Bufbroker__AllocationFd a = BUFBROKER__ALLOCATION_FD__INIT;
+	a.allocation = allocation;
+	r.op_case = BUFBROKER__REQUEST__OP_ALLOCATION_FD;
+	r.allocation_fd = &a;
 	request(s, SEND(conn), &r);
 }
 
@@ -548,6 +567,19 @@ int main(int argc, char **argv)
 	check(&s, 1);
 	server_status(&s, SEND(1));
 	finish(&s, "admin-clients-check");
+
+	/* Protocol 1.2: handle kinds (a host buffer with one is invalid, a
+	 * kind out of range too) and AllocationFd of nothing held. */
+	begin(&s, AUTO);
+	alloc_handle(&s, 0, 4096, BB_HOST, 0, NULL, BB_SHARE_UID, BB_CUDA_HANDLE_VMM);
+	alloc_handle(&s, 0, 4096, BB_CUDA, 0, NULL, BB_SHARE_UID, BB_CUDA_HANDLE_VMM);
+	alloc_handle(&s, 0, 4096, BB_CUDA, 0, NULL, BB_SHARE_UID, 7);
+	alloc_handle(&s, 0, 4096, BB_CUDA, 0, NULL, BB_SHARE_UID, BB_CUDA_HANDLE_AUTO);
+	alloc(&s, 0, 4096, BB_HOST, NULL, BB_SHARE_UID);
+	allocation_fd(&s, 0, 0);
+	allocation_fd(&s, 0, 1);
+	allocation_fd(&s, 0, UINT64_MAX);
+	finish(&s, "vmm-handles-allocation-fd");
 
 	/* Timers: a Wait times out; with tight settings, a token expires
 	 * before it is adopted, and a large response overflows the queue. */
