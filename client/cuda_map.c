@@ -174,6 +174,12 @@ static void cuda_ctx_pop(CUcontext ctx, CUcontext prev)
 		(void)cuda.api.CtxSetCurrent(prev);
 }
 
+/* BB_ERR_NO_MEMORY for the driver's out of memory, else BB_ERR_SYSTEM. */
+static int cuda_code(CUresult cr)
+{
+	return cr == CUDA_ERROR_OUT_OF_MEMORY ? BB_ERR_NO_MEMORY : BB_ERR_SYSTEM;
+}
+
 /* The device with b's UUID, its primary context retained: 0, or BB_ERR_*
  * with the last error set. cuda.mu held. */
 static int cuda_dev_of(const bb_buf *b, struct cuda_dev **out)
@@ -254,11 +260,17 @@ static int cuda_open(const bb_buf *b, struct cuda_alloc **out)
 	cr = cuda.api.IpcOpenMemHandle(&a->base, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
 	if (cr != CUDA_SUCCESS) {
 		cuda_ctx_pop(d->ctx, prev);
-		rc = bbc_fail(cr == CUDA_ERROR_OUT_OF_MEMORY ? BB_ERR_NO_MEMORY : BB_ERR_SYSTEM,
+		rc = bbc_fail(cuda_code(cr),
 			      "opening the CUDA IPC handle of buffer %" PRIu64
-			      " (allocation %" PRIu64 ") on device %d failed: %s",
+			      " (allocation %" PRIu64 ") on device %d failed: %s%s",
 			      b->id, b->allocation, (int)d->dev,
-			      bb_cuda_error(&cuda.api, cr, eb, sizeof(eb)));
+			      bb_cuda_error(&cuda.api, cr, eb, sizeof(eb)),
+			      cr == CUDA_ERROR_OUT_OF_MEMORY
+				      ? ""
+				      : " (a legacy CUDA IPC handle opens only in a process that "
+					"shares the PID and IPC namespaces of bufbrokerd; across "
+					"containers, use VMM buffers: bb_alloc_cuda with "
+					"BB_CUDA_HANDLE_VMM)");
 		goto err_free;
 	}
 	a->key = key;
@@ -305,12 +317,6 @@ void bbc_cuda_unuse(struct cuda_alloc *a)
 		free(a);
 	}
 	pthread_mutex_unlock(&cuda.mu);
-}
-
-/* BB_ERR_NO_MEMORY for the driver's out of memory, else BB_ERR_SYSTEM. */
-static int cuda_code(CUresult cr)
-{
-	return cr == CUDA_ERROR_OUT_OF_MEMORY ? BB_ERR_NO_MEMORY : BB_ERR_SYSTEM;
 }
 
 /* Import the allocation behind fd (s->size bytes) on device d, reserve
