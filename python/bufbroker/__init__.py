@@ -40,7 +40,7 @@ from ._native import (
     TOKEN_SIZE,
     library_candidates,
 )
-from .client import Buffer, Client, CudaIpc, Info, strerror
+from .client import Buffer, Client, CudaIpc, CudaVmm, Info, strerror
 from .errors import (
     ERR_DENIED,
     ERR_DISCONNECTED,
@@ -78,6 +78,7 @@ __all__ = [
     "Buffer",
     "Info",
     "CudaIpc",
+    "CudaVmm",
     "strerror",
     "error_class",
     "library_candidates",

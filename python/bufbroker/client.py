@@ -34,6 +34,12 @@ from . import _native as _n
 from .errors import ERR_INVALID, ERR_TIMEOUT, BufbrokerError, InvalidArgument, error_for
 
 _KINDS = {"host": _n.KIND_HOST, "cuda": _n.KIND_CUDA}
+_CUDA_HANDLES = {
+    "default": _n.CUDA_HANDLE_DEFAULT,
+    "auto": _n.CUDA_HANDLE_AUTO,
+    "legacy": _n.CUDA_HANDLE_LEGACY,
+    "vmm": _n.CUDA_HANDLE_VMM,
+}
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _STATE_NAMES = {_n.STATE_PENDING: "pending", _n.STATE_READY: "ready", _n.STATE_FAILED: "failed"}
 _SHARES = {"uid": _n.SHARE_UID, "gid": _n.SHARE_GID, "any": _n.SHARE_ANY}
@@ -125,6 +131,12 @@ class Info:
 #: cudaIpcMemHandle_t bytes of the allocation holding the buffer, the
 #: buffer's offset inside it, its size, and the device's UUID bytes.
 CudaIpc = namedtuple("CudaIpc", ["handle", "offset", "size", "device_uuid"])
+
+#: What ``Buffer.cuda_vmm()`` returns (``bb_cuda_vmm``): a new file
+#: descriptor of the VMM allocation holding the buffer (the caller closes
+#: it), the allocation's identity and size, the buffer's offset inside it,
+#: its size, and the device's UUID bytes.
+CudaVmm = namedtuple("CudaVmm", ["fd", "allocation", "allocation_size", "offset", "size", "device_uuid"])
 
 
 def _info_from(raw):
@@ -299,8 +311,9 @@ class Client:
         opts.share = _choice("share", share, _SHARES)
         return opts
 
-    def alloc(self, size, kind="host", device=0, name=None, share="uid"):
-        """A new PENDING buffer of ``size`` bytes (``bb_alloc``).
+    def alloc(self, size, kind="host", device=0, name=None, share="uid", cuda_handle="default"):
+        """A new PENDING buffer of ``size`` bytes (``bb_alloc``, or
+        ``bb_alloc_cuda`` with a ``cuda_handle``).
 
         Args:
             size: bytes, > 0.
@@ -308,13 +321,21 @@ class Client:
             device: the CUDA device ordinal as the daemon numbers devices.
             name: None, or a name unique among live buffers (at most 127 bytes).
             share: who may open it by id or name: ``"uid"``, ``"gid"`` or ``"any"``.
+            cuda_handle: how a CUDA buffer is shared: ``"default"`` (the
+                daemon's default), ``"auto"``, ``"legacy"`` (a CUDA IPC
+                handle) or ``"vmm"`` (a file descriptor, across containers).
+                Host buffers take ``"default"`` only.
 
         Returns the :class:`Buffer`, holding one reference. Raises
         :class:`Exists` for a taken name, :class:`Unsupported` for a kind the
-        daemon cannot make, :class:`NoMemory` over a limit.
+        daemon cannot make (a handle kind never falls back to the other),
+        :class:`NoMemory` over a limit.
         """
         opts = self._opts(size, kind, device, name, share)
-        return self._buffer(_n.lib().bb_alloc, ctypes.byref(opts))
+        handle = _choice("cuda_handle", cuda_handle, _CUDA_HANDLES)
+        if handle == _n.CUDA_HANDLE_DEFAULT:
+            return self._buffer(_n.lib().bb_alloc, ctypes.byref(opts))
+        return self._buffer(_n.lib().bb_alloc_cuda, ctypes.byref(opts), handle)
 
     def open(self, id):
         """One more reference to buffer ``id`` (``bb_open``): a Buffer.
@@ -657,11 +678,21 @@ class Buffer:
         return ptr
 
     @property
+    def cuda_handle(self):
+        """How a CUDA buffer is shared: ``"legacy"`` (a CUDA IPC handle,
+        :meth:`cuda_ipc`) or ``"vmm"`` (a file descriptor,
+        :meth:`cuda_vmm`); None for a host buffer."""
+        with self._use() as (h, _):
+            kind = _n.lib().bb_cuda_handle_of(h)
+        return {_n.CUDA_HANDLE_LEGACY: "legacy", _n.CUDA_HANDLE_VMM: "vmm"}.get(kind)
+
+    @property
     def __cuda_array_interface__(self):
         """The CUDA Array Interface, version 3, of a CUDA buffer: a 1-D
         array of ``size`` unsigned bytes at the device pointer ``bb_map``
         gives (valid in this process's primary context of the buffer's
-        device). Host buffers have no such attribute."""
+        device), the same for either :attr:`cuda_handle`. Host buffers have
+        no such attribute."""
         ptr = self._device_pointer()
         return {
             "shape": (self._size,),
@@ -680,3 +711,16 @@ class Buffer:
         with self._use() as (h, _):
             _check(_n.lib().bb_cuda_ipc_of(h, ctypes.byref(raw)))
         return CudaIpc(bytes(raw.handle), raw.offset, raw.size, bytes(raw.device_uuid))
+
+    def cuda_vmm(self):
+        """The VMM description of a VMM CUDA buffer (``bb_cuda_vmm_of``), for
+        a framework that imports the allocation itself: a :data:`CudaVmm`
+        ``(fd, allocation, allocation_size, offset, size, device_uuid)``.
+        ``fd`` is a new file descriptor that the caller closes
+        (``os.close``); importing it, mapping ``allocation_size`` bytes and
+        adding ``offset`` gives the buffer. Raises :class:`Unsupported` for a
+        legacy buffer (use :meth:`cuda_ipc`)."""
+        raw = _n.bb_cuda_vmm()
+        with self._use() as (h, _):
+            _check(_n.lib().bb_cuda_vmm_of(h, ctypes.byref(raw)))
+        return CudaVmm(raw.fd, raw.allocation, raw.allocation_size, raw.offset, raw.size, bytes(raw.device_uuid))
