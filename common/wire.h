@@ -5,7 +5,7 @@
 #define BB_WIRE_H
 
 #define BB_PROTO_MAJOR 1
-#define BB_PROTO_MINOR 1
+#define BB_PROTO_MINOR 2
 
 /* Largest datagram either side sends or accepts by default (bytes). */
 #define BB_MAX_DATAGRAM (64 * 1024)

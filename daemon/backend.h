@@ -26,6 +26,8 @@ typedef struct backend_export {
 	uint64_t offset;               /* CUDA: start inside the allocation */
 	unsigned char device_uuid[16]; /* CUDA: device the memory lives on */
 	uint64_t allocation;           /* CUDA: identity of the allocation */
+	int cuda_handle;               /* CUDA: BB_CUDA_HANDLE_LEGACY or _VMM; host: 0 */
+	uint64_t allocation_size;      /* CUDA: bytes of the allocation */
 } backend_export;
 
 typedef struct backend backend;
@@ -48,24 +50,30 @@ struct backend_job {
 
 /* One device a backend serves, for status reports. */
 typedef struct backend_device {
-	int ordinal;                 /* as the daemon numbers devices */
-	char name[96];               /* e.g. "NVIDIA H200" */
-	unsigned char uuid[16];      /* cuDeviceGetUuid */
-	unsigned long long total;    /* bytes of device memory */
-	unsigned long long free;     /* bytes free, as the driver reports */
-	unsigned long long used;     /* bytes in live buffers of the broker */
-	unsigned long long reserved; /* bytes the broker holds from the driver (slabs) */
-	unsigned long long limit;    /* the most the broker may hold on it */
-	unsigned long long refused;  /* allocs refused because limit left no room */
+	int ordinal;                        /* as the daemon numbers devices */
+	char name[96];                      /* e.g. "NVIDIA H200" */
+	unsigned char uuid[16];             /* cuDeviceGetUuid */
+	unsigned long long total;           /* bytes of device memory */
+	unsigned long long free;            /* bytes free, as the driver reports */
+	unsigned long long used;            /* bytes in live buffers of the broker */
+	unsigned long long reserved;        /* bytes the broker holds from the driver (slabs) */
+	unsigned long long limit;           /* the most the broker may hold on it */
+	unsigned long long refused;         /* allocs refused because limit left no room */
+	int vmm;                            /* VMM (cuMemCreate + POSIX fd) buffers can be had */
+	char vmm_why[256];                  /* when not: why (driver, device or operator) */
+	unsigned long long vmm_allocations; /* VMM allocations (an fd each) held now */
 } backend_device;
 
 struct backend {
 	const char *name; /* "host", "cuda", ... for logs */
 	void *ctx;        /* backend's own state */
 	/* Get size bytes on device for uid, shared by policy share (memory of
-	 * different uids or policies never shares an allocation). 0,
+	 * different uids or policies never shares an allocation). *handle is
+	 * the CUDA handle kind asked for (BB_CUDA_HANDLE_*; host: DEFAULT) and
+	 * becomes the one given (LEGACY or VMM for CUDA; a kind that cannot be
+	 * had is BB_ERR_UNSUPPORTED with why, never another kind). 0,
 	 * BACKEND_GROW, or BB_ERR_* with a sentence in err (errlen bytes). */
-	int (*alloc)(backend *be, uint64_t size, int device, uint32_t uid, int share,
+	int (*alloc)(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		     backend_mem *out, char *err, size_t errlen);
 	/* Adopt memory a client handed over as fd (the caller keeps its own fd;
 	 * the backend duplicates what it keeps). NULL when the kind cannot be
@@ -74,9 +82,22 @@ struct backend {
 			 size_t errlen);
 	/* Return the memory. Never fails. */
 	void (*free)(backend *be, backend_mem *mem);
-	/* Describe mem for a client. 0 or BB_ERR_*. */
+	/* Describe mem for a client. 0 or BB_ERR_*. For a VMM CUDA buffer
+	 * out->fd is its allocation's fd (borrowed), which a connection needs
+	 * once, not with every grant (the broker decides). */
 	int (*export_mem)(backend *be, const backend_mem *mem, backend_export *out, char *err,
 			  size_t errlen);
+	/* The identity of the allocation whose fd grants of mem carry once per
+	 * connection (a VMM CUDA slab); 0 for memory whose grants carry their
+	 * own fd or none. May be NULL (always 0). Cheap: the broker calls it
+	 * whenever a connection starts or stops holding such a buffer. */
+	uint64_t (*fd_allocation)(backend *be, const backend_mem *mem);
+	/* Describe allocation (an fd_allocation identity) for AllocationFd:
+	 * out->fd (borrowed), allocation, allocation_size, device_uuid,
+	 * cuda_handle. 0, or BB_ERR_NOT_FOUND when no such allocation lives.
+	 * May be NULL. */
+	int (*export_allocation)(backend *be, uint64_t allocation, backend_export *out, char *err,
+				 size_t errlen);
 	/* mem's export is going to a process whose uid is not the owner's,
 	 * which may keep it forever: never reuse mem's memory for another
 	 * buffer. May be NULL (the backend reuses nothing it exported). */

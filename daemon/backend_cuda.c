@@ -29,9 +29,11 @@
  */
 #include <inttypes.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <uthash.h>
 #include <utlist.h>
@@ -73,27 +75,31 @@ static bool extent_is_free(const extent *e)
 	return e->prev != NULL;
 }
 
-/* One cuMemAlloc allocation. */
+/* One allocation: cuMemAlloc (LEGACY) or cuMemCreate (VMM). */
 struct slab {
-	pool *pool;            /* owner (never changes) */
-	CUdeviceptr base;      /* the allocation */
-	uint64_t size;         /* its bytes */
-	CUipcMemHandle handle; /* cuIpcGetMemHandle, once */
-	uint64_t allocation;   /* identity, never reused in this daemon run */
-	bool dedicated;        /* made for one buffer larger than a slab */
-	bool fresh;            /* made since the last settle (see the top) */
-	bool cached;           /* empty, on the device's cache list */
-	uint32_t live;         /* buffers in it */
-	extent *extents;       /* every extent, by offset: tiles [0, size) */
-	extent *free;          /* the free extents; a new one goes last (first fit) */
-	slab *prev, *next;     /* the pool's slabs, oldest first */
-	slab *cprev, *cnext;   /* the device's cache list, oldest first */
+	pool *pool;                      /* owner (never changes) */
+	CUdeviceptr base;                /* LEGACY: the allocation */
+	uint64_t size;                   /* its bytes */
+	CUipcMemHandle handle;           /* LEGACY: cuIpcGetMemHandle, once */
+	CUmemGenericAllocationHandle mh; /* VMM: cuMemCreate's handle */
+	int fd;                          /* VMM: its POSIX fd, exported once; -1 for LEGACY */
+	uint64_t allocation;             /* identity, never reused in this daemon run */
+	bool dedicated;                  /* made for one buffer larger than a slab */
+	bool fresh;                      /* made since the last settle (see the top) */
+	bool cached;                     /* empty, on the device's cache list */
+	uint32_t live;                   /* buffers in it */
+	extent *extents;                 /* every extent, by offset: tiles [0, size) */
+	extent *free;                    /* the free extents; a new one goes last (first fit) */
+	slab *prev, *next;               /* the pool's slabs, oldest first */
+	slab *cprev, *cnext;             /* the device's cache list, oldest first */
+	UT_hash_handle hh;               /* VMM: cuda_backend.by_allocation */
 };
 
 typedef struct pool_key {
 	int device;   /* ordinal */
 	uint32_t uid; /* owner */
 	int share;    /* BB_SHARE_* */
+	int handle;   /* BB_CUDA_HANDLE_LEGACY or _VMM */
 } pool_key;
 
 /* The slabs of one key. Pools live until destroy (there are few keys). */
@@ -111,19 +117,23 @@ struct pool {
 
 /* One device the daemon serves. */
 struct cuda_dev {
-	int ordinal;            /* as this daemon numbers it */
-	CUdevice dev;           /* cuDeviceGet */
-	CUcontext ctx;          /* retained primary context */
-	char name[96];          /* cuDeviceGetName */
-	unsigned char uuid[16]; /* cuDeviceGetUuid */
-	uint64_t total;         /* cuDeviceTotalMem */
-	uint64_t limit;         /* the most the broker holds */
-	uint64_t reserved;      /* see the top of the file */
-	uint64_t freeing;       /* ... */
-	uint64_t cached;        /* ... */
-	uint64_t used;          /* ... */
-	uint64_t refused;       /* allocs refused at the limit, for metrics */
-	slab *cache;            /* empty slabs, oldest first */
+	int ordinal;              /* as this daemon numbers it */
+	CUdevice dev;             /* cuDeviceGet */
+	CUcontext ctx;            /* retained primary context */
+	char name[96];            /* cuDeviceGetName */
+	unsigned char uuid[16];   /* cuDeviceGetUuid */
+	uint64_t total;           /* cuDeviceTotalMem */
+	uint64_t limit;           /* the most the broker holds */
+	uint64_t reserved;        /* see the top of the file */
+	uint64_t freeing;         /* ... */
+	uint64_t cached;          /* ... */
+	uint64_t used;            /* ... */
+	uint64_t refused;         /* allocs refused at the limit, for metrics */
+	slab *cache;              /* empty slabs, oldest first */
+	bool vmm;                 /* VMM slabs can be made here */
+	char vmm_why[256];        /* when not: why (the driver or the device) */
+	uint64_t vmm_unit;        /* VMM slab sizes are multiples of this (>= 2 MiB) */
+	uint64_t vmm_allocations; /* VMM slabs held (live, cached, being made or freed) */
 };
 
 struct cuda_backend {
@@ -136,6 +146,8 @@ struct cuda_backend {
 	pool *pools;              /* by key */
 	uint64_t next_allocation; /* allocation identities */
 	uint32_t jobs;            /* jobs in flight */
+	slab *by_allocation;      /* VMM slabs by identity (AllocationFd) */
+	uint64_t vmm_allocations; /* VMM slabs held, all devices: each is an fd */
 };
 
 /* Allocate a new slab (work) and add it to its pool (done). */
@@ -147,25 +159,32 @@ struct grow_job {
 	uint64_t size;     /* asked of the driver (counted in reserved) */
 	uint64_t min_size; /* smallest that serves the request: tried on OOM */
 	bool dedicated;    /* for one buffer */
+	bool vmm;          /* cuMemCreate + export rather than cuMemAlloc */
+	CUdevice dev;      /* VMM: where cuMemCreate puts it */
 	/* Written by work: */
-	CUresult rc;           /* CUDA_SUCCESS or the failing call's result */
-	const char *call;      /* the failing call */
-	uint64_t got;          /* bytes allocated */
-	CUdeviceptr base;      /* the allocation */
-	CUipcMemHandle handle; /* its IPC handle */
-	grow_job *prev, *next; /* pool.growing */
+	CUresult rc;                     /* CUDA_SUCCESS or the failing call's result */
+	const char *call;                /* the failing call */
+	uint64_t got;                    /* bytes allocated */
+	CUdeviceptr base;                /* the allocation */
+	CUipcMemHandle handle;           /* LEGACY: its IPC handle */
+	CUmemGenericAllocationHandle mh; /* VMM: the allocation */
+	int fd;                          /* VMM: its exported fd */
+	grow_job *prev, *next;           /* pool.growing */
 };
 
 /* cuMemFree an allocation (work) and drop it from the books (done). */
 typedef struct free_job {
-	backend_job job;     /* first: the server sees this */
-	cuda_backend *cu;    /* owner */
-	cuda_dev *dev;       /* where the allocation lies */
-	CUcontext ctx;       /* its primary context */
-	CUdeviceptr base;    /* the allocation */
-	uint64_t size;       /* its bytes (in reserved and freeing until done) */
-	uint64_t allocation; /* its identity, for the log */
-	CUresult rc;         /* written by work */
+	backend_job job;                 /* first: the server sees this */
+	cuda_backend *cu;                /* owner */
+	cuda_dev *dev;                   /* where the allocation lies */
+	CUcontext ctx;                   /* its primary context */
+	CUdeviceptr base;                /* the allocation */
+	uint64_t size;                   /* its bytes (in reserved and freeing until done) */
+	uint64_t allocation;             /* its identity, for the log */
+	bool vmm;                        /* close fd and cuMemRelease mh rather than cuMemFree */
+	CUmemGenericAllocationHandle mh; /* VMM */
+	int fd;                          /* VMM */
+	CUresult rc;                     /* written by work */
 } free_job;
 
 /* Runs after the retries that followed a grow (see the top). */
@@ -223,13 +242,38 @@ static uint64_t evictable(const cuda_dev *d)
 
 /* ---- freeing allocations --------------------------------------------------- */
 
+/* One VMM allocation more (delta 1) or fewer (-1) held on d: an fd of the
+ * daemon's from the grow that makes it until the free that closes it. */
+static void vmm_count(cuda_backend *cu, cuda_dev *d, int delta)
+{
+	cu->vmm_allocations += (uint64_t)(int64_t)delta;
+	d->vmm_allocations += (uint64_t)(int64_t)delta;
+}
+
+/* Give a slab's memory back to the driver now (on the loop thread). */
+static void slab_free_now(cuda_backend *cu, cuda_dev *d, slab *s)
+{
+	cu->api.CtxSetCurrent(d->ctx);
+	if (s->fd >= 0) {
+		close(s->fd);
+		cu->api.MemRelease(s->mh);
+	} else {
+		cu->api.MemFree(s->base);
+	}
+}
+
 static void free_work(backend_job *job)
 {
 	free_job *f = (free_job *)job;
 	const bb_cuda *api = &f->cu->api;
 	f->rc = api->CtxSetCurrent(f->ctx);
-	if (f->rc == CUDA_SUCCESS)
+	if (f->vmm) {
+		/* The fd first: no new importer can come after the release. */
+		close(f->fd);
+		f->rc = api->MemRelease(f->mh);
+	} else if (f->rc == CUDA_SUCCESS) {
 		f->rc = api->MemFree(f->base);
+	}
 }
 
 static void free_done(backend_job *job)
@@ -249,6 +293,8 @@ static void free_done(backend_job *job)
 	 * drop it either way so the limit does not shrink for ever. */
 	f->dev->reserved -= f->size;
 	f->dev->freeing -= f->size;
+	if (f->vmm)
+		vmm_count(cu, f->dev, -1);
 	cu->jobs--;
 	free(f);
 }
@@ -272,6 +318,8 @@ static void slab_release(cuda_backend *cu, slab *s)
 	cuda_dev *d = s->pool->dev;
 	cache_remove(d, s);
 	DL_DELETE(s->pool->slabs, s);
+	if (s->fd >= 0)
+		HASH_DELETE(hh, cu->by_allocation, s);
 	slab_free_extents(s);
 	d->freeing += s->size;
 	free_job *f = calloc(1, sizeof(*f));
@@ -284,13 +332,17 @@ static void slab_release(cuda_backend *cu, slab *s)
 		f->base = s->base;
 		f->size = s->size;
 		f->allocation = s->allocation;
+		f->vmm = s->fd >= 0;
+		f->mh = s->mh;
+		f->fd = s->fd;
 		submit(cu, &f->job);
 	} else {
 		/* No memory for a job: free it here, on the loop thread. */
-		cu->api.CtxSetCurrent(d->ctx);
-		cu->api.MemFree(s->base);
+		slab_free_now(cu, d, s);
 		d->reserved -= s->size;
 		d->freeing -= s->size;
+		if (s->fd >= 0)
+			vmm_count(cu, d, -1);
 	}
 	free(s);
 }
@@ -339,6 +391,42 @@ static void settle_done(backend_job *job)
 	free(st);
 }
 
+/* The properties of a VMM allocation on dev: pinned device memory that
+ * can be exported as a POSIX fd. */
+static void vmm_prop(CUmemAllocationProp *prop, CUdevice dev)
+{
+	memset(prop, 0, sizeof(*prop));
+	prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	prop->location.id = dev;
+}
+
+/* grow_work for a VMM slab: cuMemCreate, then its fd. */
+static void grow_work_vmm(grow_job *g)
+{
+	const bb_cuda *api = &g->cu->api;
+	CUmemAllocationProp prop;
+	vmm_prop(&prop, g->dev);
+	g->call = "cuMemCreate";
+	g->got = g->size;
+	g->rc = api->MemCreate(&g->mh, (size_t)g->got, &prop, 0);
+	if (g->rc == CUDA_ERROR_OUT_OF_MEMORY && g->min_size < g->size) {
+		g->got = g->min_size;
+		g->rc = api->MemCreate(&g->mh, (size_t)g->got, &prop, 0);
+	}
+	if (g->rc != CUDA_SUCCESS)
+		return;
+	g->call = "cuMemExportToShareableHandle";
+	g->fd = -1;
+	g->rc = api->MemExportToShareableHandle(&g->fd, g->mh,
+						CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+	if (g->rc == CUDA_SUCCESS && g->fd < 0)
+		g->rc = CUDA_ERROR_INVALID_HANDLE;
+	if (g->rc != CUDA_SUCCESS)
+		api->MemRelease(g->mh);
+}
+
 static void grow_work(backend_job *job)
 {
 	grow_job *g = (grow_job *)job;
@@ -347,6 +435,10 @@ static void grow_work(backend_job *job)
 	g->rc = api->CtxSetCurrent(g->ctx);
 	if (g->rc != CUDA_SUCCESS)
 		return;
+	if (g->vmm) {
+		grow_work_vmm(g);
+		return;
+	}
 	g->call = "cuMemAlloc";
 	g->got = g->size;
 	g->rc = api->MemAlloc(&g->base, (size_t)g->got);
@@ -374,6 +466,8 @@ static void grow_done(backend_job *job)
 
 	DL_DELETE(p->growing, g);
 	d->reserved -= g->size;
+	if (g->vmm)
+		vmm_count(cu, d, -1); /* counted again below if it lives */
 	slab *s = NULL;
 	extent *e = NULL;
 	if (g->rc == CUDA_SUCCESS) {
@@ -384,7 +478,12 @@ static void grow_done(backend_job *job)
 			free(e);
 			s = NULL;
 			cu->api.CtxSetCurrent(d->ctx);
-			cu->api.MemFree(g->base);
+			if (g->vmm) {
+				close(g->fd);
+				cu->api.MemRelease(g->mh);
+			} else {
+				cu->api.MemFree(g->base);
+			}
 			p->fail_code = BB_ERR_NO_MEMORY;
 			p->fail_dedicated = g->dedicated;
 			p->fail_size = g->size;
@@ -396,7 +495,13 @@ static void grow_done(backend_job *job)
 		s->base = g->base;
 		s->size = g->got;
 		s->handle = g->handle;
+		s->fd = g->vmm ? g->fd : -1;
+		s->mh = g->mh;
 		s->allocation = ++cu->next_allocation;
+		if (g->vmm) {
+			vmm_count(cu, d, 1);
+			HASH_ADD(hh, cu->by_allocation, allocation, sizeof(s->allocation), s);
+		}
 		s->dedicated = g->dedicated;
 		s->fresh = true;
 		e->slab = s;
@@ -408,10 +513,10 @@ static void grow_done(backend_job *job)
 		DL_APPEND(p->slabs, s);
 		if (!s->dedicated)
 			cache_add(d, s);
-		log_debug("event=cuda_grow device=%d uid=%u share=%d allocation=%" PRIu64
+		log_debug("event=cuda_grow device=%d uid=%u share=%d handle=%s allocation=%" PRIu64
 			  " size=%s dedicated=%d",
-			  d->ordinal, p->key.uid, p->key.share, s->allocation, human(s->size, h),
-			  (int)s->dedicated);
+			  d->ordinal, p->key.uid, p->key.share, g->vmm ? "vmm" : "legacy",
+			  s->allocation, human(s->size, h), (int)s->dedicated);
 	} else if (g->rc != CUDA_SUCCESS) {
 		bb_cuda_error(&cu->api, g->rc, eb, sizeof(eb));
 		if (g->rc == CUDA_ERROR_OUT_OF_MEMORY && evictable(d) > 0) {
@@ -451,21 +556,69 @@ static void grow_done(backend_job *job)
 	}
 }
 
+/* What slab sizes of pool p are multiples of. */
+static uint64_t slab_unit(const pool *p)
+{
+	return p->key.handle == BB_CUDA_HANDLE_VMM ? p->dev->vmm_unit : SLAB_GRANULE;
+}
+
+/* The size of a (not dedicated) slab of pool p. */
+static uint64_t slab_bytes(const cuda_backend *cu, const pool *p)
+{
+	return align_up(cu->cfg.slab_bytes, slab_unit(p));
+}
+
+/* Room for one more VMM allocation (an fd) under vmm_allocations: 0,
+ * BACKEND_GROW once cached VMM slabs are being freed to make it, or
+ * BB_ERR_NO_MEMORY. */
+static int vmm_room(cuda_backend *cu, char *err, size_t errlen)
+{
+	if (cu->vmm_allocations < cu->cfg.vmm_allocations)
+		return 0;
+	bool freed = false;
+	for (int i = 0; i < cu->ndev; i++) {
+		cuda_dev *d = &cu->devs[i];
+		for (slab *s = d->cache, *next; s; s = next) {
+			next = s->cnext;
+			if (s->fd >= 0 && !s->fresh) {
+				slab_release(cu, s);
+				freed = true;
+				break;
+			}
+		}
+		if (freed)
+			return BACKEND_GROW;
+	}
+	/* Allocations being freed give their fds back soon. */
+	for (int i = 0; i < cu->ndev; i++)
+		if (cu->devs[i].freeing > 0)
+			return BACKEND_GROW;
+	snprintf(err, errlen,
+		 "the daemon would hold %" PRIu64 " VMM CUDA allocations (a file descriptor each); "
+		 "the limit is %" PRIu64 " (--max-cuda-vmm-allocations)",
+		 cu->vmm_allocations + 1, cu->cfg.vmm_allocations);
+	return BB_ERR_NO_MEMORY;
+}
+
 /* Start making memory for a request of len bytes in p: BACKEND_GROW, or
  * BB_ERR_NO_MEMORY when the device limit leaves no room. */
 static int grow(cuda_backend *cu, pool *p, uint64_t len, bool dedicated, char *err, size_t errlen)
 {
 	cuda_dev *d = p->dev;
 	char h1[32], h2[32], h3[32], h4[32];
+	bool vmm = p->key.handle == BB_CUDA_HANDLE_VMM;
+	uint64_t unit = slab_unit(p);
 	uint64_t held = d->reserved - d->freeing;
 	uint64_t room = d->limit > held ? d->limit - held : 0;
 	uint64_t spare = evictable(d);
-	uint64_t want = dedicated ? len : cu->cfg.slab_bytes;
+	uint64_t want = dedicated ? len : slab_bytes(cu, p);
+	int rc;
 
 	if (!dedicated && want > room + spare) {
 		/* Near the limit a smaller slab still serves this request. */
-		uint64_t fit = (room + spare) / SLAB_GRANULE * SLAB_GRANULE;
-		want = fit > len ? fit : len;
+		uint64_t fit = (room + spare) / unit * unit;
+		uint64_t least = align_up(len, vmm ? unit : BACKEND_CUDA_ALIGN);
+		want = fit > least ? fit : least;
 	}
 	if (want > room + spare) {
 		d->refused++;
@@ -493,6 +646,8 @@ static int grow(cuda_backend *cu, pool *p, uint64_t len, bool dedicated, char *e
 		 * is, so the driver sees it free. */
 		return BACKEND_GROW;
 	}
+	if (vmm && (rc = vmm_room(cu, err, errlen)))
+		return rc;
 
 	grow_job *g = calloc(1, sizeof(*g));
 	if (!g) {
@@ -506,10 +661,15 @@ static int grow(cuda_backend *cu, pool *p, uint64_t len, bool dedicated, char *e
 	g->ctx = d->ctx;
 	g->size = want;
 	g->dedicated = dedicated;
-	g->min_size = dedicated ? want : align_up(len, SLAB_GRANULE);
+	g->vmm = vmm;
+	g->dev = d->dev;
+	g->fd = -1;
+	g->min_size = dedicated ? want : align_up(len, unit);
 	if (g->min_size > want)
 		g->min_size = want;
 	d->reserved += want;
+	if (vmm)
+		vmm_count(cu, d, 1);
 	DL_APPEND(p->growing, g);
 	submit(cu, &g->job);
 	return BACKEND_GROW;
@@ -517,7 +677,7 @@ static int grow(cuda_backend *cu, pool *p, uint64_t len, bool dedicated, char *e
 
 /* ---- the vtable -------------------------------------------------------------- */
 
-static pool *pool_get(cuda_backend *cu, int device, uint32_t uid, int share)
+static pool *pool_get(cuda_backend *cu, int device, uint32_t uid, int share, int handle)
 {
 	pool_key k;
 	pool *p;
@@ -525,6 +685,7 @@ static pool *pool_get(cuda_backend *cu, int device, uint32_t uid, int share)
 	k.device = device;
 	k.uid = uid;
 	k.share = share;
+	k.handle = handle;
 	HASH_FIND(hh, cu->pools, &k, sizeof(k), p);
 	if (p)
 		return p;
@@ -609,11 +770,63 @@ static void extent_put(extent *x)
 	}
 }
 
-static int cuda_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
+/* The handle kind an alloc asking for asked gets on d, into *out: 0, or
+ * BB_ERR_UNSUPPORTED / BB_ERR_INVALID with why. Never another kind than
+ * an explicit one. */
+static int choose_handle(const cuda_backend *cu, const cuda_dev *d, int asked, int *out, char *err,
+			 size_t errlen)
+{
+	int forbid = cu->cfg.handle_forbid;
+	if (asked == BB_CUDA_HANDLE_DEFAULT)
+		asked = cu->cfg.handle_default;
+	switch (asked) {
+	case BB_CUDA_HANDLE_AUTO:
+		if (d->vmm && forbid != BB_CUDA_HANDLE_VMM) {
+			*out = BB_CUDA_HANDLE_VMM;
+			return 0;
+		}
+		if (forbid != BB_CUDA_HANDLE_LEGACY) {
+			*out = BB_CUDA_HANDLE_LEGACY;
+			return 0;
+		}
+		snprintf(err, errlen,
+			 "no CUDA handle kind can be had on device %d: legacy IPC handles are "
+			 "forbidden by the operator (cuda-forbid = legacy) and VMM: %s",
+			 d->ordinal, d->vmm ? "forbidden" : d->vmm_why);
+		return BB_ERR_UNSUPPORTED;
+	case BB_CUDA_HANDLE_VMM:
+		if (forbid == BB_CUDA_HANDLE_VMM) {
+			snprintf(err, errlen,
+				 "VMM CUDA buffers are forbidden by the operator of this daemon "
+				 "(cuda-forbid = vmm)");
+			return BB_ERR_UNSUPPORTED;
+		}
+		if (!d->vmm) {
+			snprintf(err, errlen, "VMM CUDA buffers cannot be had on device %d: %s",
+				 d->ordinal, d->vmm_why);
+			return BB_ERR_UNSUPPORTED;
+		}
+		*out = BB_CUDA_HANDLE_VMM;
+		return 0;
+	case BB_CUDA_HANDLE_LEGACY:
+		if (forbid == BB_CUDA_HANDLE_LEGACY) {
+			snprintf(err, errlen,
+				 "legacy CUDA IPC buffers are forbidden by the operator of this "
+				 "daemon (cuda-forbid = legacy)");
+			return BB_ERR_UNSUPPORTED;
+		}
+		*out = BB_CUDA_HANDLE_LEGACY;
+		return 0;
+	default: snprintf(err, errlen, "unknown CUDA handle kind %d", asked); return BB_ERR_INVALID;
+	}
+}
+
+static int cuda_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		      backend_mem *out, char *err, size_t errlen)
 {
 	cuda_backend *cu = be->ctx;
 	char h[32];
+	int kind, rc;
 
 	if (device < 0 || device >= cu->ndev) {
 		snprintf(err, errlen,
@@ -621,19 +834,26 @@ static int cuda_alloc(backend *be, uint64_t size, int device, uint32_t uid, int 
 			 device, cu->ndev, cu->ndev - 1);
 		return BB_ERR_INVALID;
 	}
-	if (size > UINT64_MAX - SLAB_GRANULE) {
+	if (size > UINT64_MAX - 2 * SLAB_GRANULE - cu->devs[device].vmm_unit) {
 		snprintf(err, errlen, "%s is too large for a CUDA buffer", human(size, h));
 		return BB_ERR_INVALID;
 	}
-	uint64_t len = align_up(size, BACKEND_CUDA_ALIGN);
-	bool dedicated = len > cu->cfg.slab_bytes;
-	pool *p = pool_get(cu, device, uid, share);
+	if ((rc = choose_handle(cu, &cu->devs[device], *handle, &kind, err, errlen)))
+		return rc;
+	pool *p = pool_get(cu, device, uid, share, kind);
 	extent *x = calloc(1, sizeof(*x));
 	if (!p || !x) {
 		free(x);
 		snprintf(err, errlen, "daemon out of memory");
 		return BB_ERR_NO_MEMORY;
 	}
+	uint64_t len = align_up(size, BACKEND_CUDA_ALIGN);
+	bool dedicated = len > slab_bytes(cu, p);
+	/* A dedicated VMM allocation is a whole number of the device's
+	 * granules, and its one extent covers it. */
+	if (dedicated && kind == BB_CUDA_HANDLE_VMM)
+		len = align_up(len, slab_unit(p));
+	*handle = kind;
 	if (carve(p, len, dedicated, x)) {
 		p->dev->used += size;
 		out->fd = -1;
@@ -688,12 +908,47 @@ static int cuda_export(backend *be, const backend_mem *mem, backend_export *out,
 	}
 	const slab *s = x->slab;
 	_Static_assert(sizeof(out->ipc_handle) == sizeof(s->handle), "IPC handle size");
-	out->fd = -1;
-	memcpy(out->ipc_handle, &s->handle, sizeof(out->ipc_handle));
-	out->has_ipc = 1;
+	if (s->fd >= 0) {
+		out->fd = s->fd;
+		out->has_ipc = 0;
+		out->cuda_handle = BB_CUDA_HANDLE_VMM;
+	} else {
+		out->fd = -1;
+		memcpy(out->ipc_handle, &s->handle, sizeof(out->ipc_handle));
+		out->has_ipc = 1;
+		out->cuda_handle = BB_CUDA_HANDLE_LEGACY;
+	}
 	out->offset = x->off;
 	memcpy(out->device_uuid, s->pool->dev->uuid, sizeof(out->device_uuid));
 	out->allocation = s->allocation;
+	out->allocation_size = s->size;
+	return 0;
+}
+
+static uint64_t cuda_fd_allocation(backend *be, const backend_mem *mem)
+{
+	(void)be;
+	const extent *x = mem->priv;
+	return x && x->slab->fd >= 0 ? x->slab->allocation : 0;
+}
+
+static int cuda_export_allocation(backend *be, uint64_t allocation, backend_export *out, char *err,
+				  size_t errlen)
+{
+	cuda_backend *cu = be->ctx;
+	slab *s;
+	HASH_FIND(hh, cu->by_allocation, &allocation, sizeof(allocation), s);
+	if (!s) {
+		snprintf(err, errlen, "no VMM allocation %" PRIu64 " lives", allocation);
+		return BB_ERR_NOT_FOUND;
+	}
+	out->fd = s->fd;
+	out->has_ipc = 0;
+	out->cuda_handle = BB_CUDA_HANDLE_VMM;
+	out->offset = 0;
+	memcpy(out->device_uuid, s->pool->dev->uuid, sizeof(out->device_uuid));
+	out->allocation = s->allocation;
+	out->allocation_size = s->size;
 	return 0;
 }
 
@@ -719,6 +974,13 @@ static int cuda_devices(backend *be, backend_device *out, int max)
 		o->reserved = d->reserved;
 		o->limit = d->limit;
 		o->refused = d->refused;
+		o->vmm = d->vmm && cu->cfg.handle_forbid != BB_CUDA_HANDLE_VMM;
+		if (!d->vmm)
+			snprintf(o->vmm_why, sizeof(o->vmm_why), "%s", d->vmm_why);
+		else if (!o->vmm)
+			snprintf(o->vmm_why, sizeof(o->vmm_why),
+				 "forbidden by the operator (cuda-forbid = vmm)");
+		o->vmm_allocations = d->vmm_allocations;
 	}
 	cu->api.CtxSetCurrent(prev);
 	return n;
@@ -755,7 +1017,9 @@ static void cuda_destroy(backend *be)
 				log_warn("event=cuda_destroy_live device=%d allocation=%" PRIu64
 					 " buffers=%u",
 					 p->dev->ordinal, s->allocation, s->live);
-			cu->api.MemFree(s->base);
+			slab_free_now(cu, p->dev, s);
+			if (s->fd >= 0)
+				HASH_DELETE(hh, cu->by_allocation, s);
 			slab_free_extents(s);
 			DL_DELETE(p->slabs, s);
 			free(s);
@@ -778,6 +1042,37 @@ void backend_cuda_config_default(backend_cuda_config *cfg)
 	cfg->slab_bytes = BACKEND_CUDA_SLAB_DEFAULT;
 	cfg->cache_bytes = BACKEND_CUDA_CACHE_DEFAULT;
 	cfg->device_bytes = 0;
+	cfg->handle_default = BB_CUDA_HANDLE_LEGACY;
+	cfg->handle_forbid = 0;
+	cfg->vmm_allocations = BACKEND_CUDA_VMM_ALLOCATIONS_DEFAULT;
+}
+
+int backend_cuda_handles_check(const backend_cuda_config *cfg, char *why, size_t whylen)
+{
+	int def = cfg->handle_default, forbid = cfg->handle_forbid;
+	if (def != BB_CUDA_HANDLE_LEGACY && def != BB_CUDA_HANDLE_AUTO &&
+	    def != BB_CUDA_HANDLE_VMM) {
+		snprintf(why, whylen, "cuda-handle must be legacy, auto or vmm");
+		return -1;
+	}
+	if (forbid != 0 && forbid != BB_CUDA_HANDLE_LEGACY && forbid != BB_CUDA_HANDLE_VMM) {
+		snprintf(why, whylen, "cuda-forbid must be none, legacy or vmm");
+		return -1;
+	}
+	if (forbid && forbid == def) {
+		snprintf(why, whylen, "cuda-handle = %s is forbidden by cuda-forbid = %s",
+			 def == BB_CUDA_HANDLE_VMM ? "vmm" : "legacy",
+			 def == BB_CUDA_HANDLE_VMM ? "vmm" : "legacy");
+		return -1;
+	}
+	return 0;
+}
+
+void backend_cuda_set_handles(backend *be, const backend_cuda_config *cfg)
+{
+	cuda_backend *cu = be->ctx;
+	cu->cfg.handle_default = cfg->handle_default;
+	cu->cfg.handle_forbid = cfg->handle_forbid;
 }
 
 int backend_cuda_driver_version(const backend *be)
@@ -794,6 +1089,56 @@ const char *backend_cuda_library(const backend *be)
 {
 	(void)be;
 	return bb_cuda_library_path();
+}
+
+/* Whether VMM slabs can be made on d (d->vmm, else d->vmm_why) and their
+ * unit: the recommended granularity, rounded up to a multiple of it that
+ * is at least 2 MiB. */
+static void device_probe_vmm(cuda_backend *cu, cuda_dev *d)
+{
+	const bb_cuda *api = &cu->api;
+	int vmm = 0, fd = 0;
+	size_t gran = 0;
+	CUresult rc;
+	char eb[96];
+	CUmemAllocationProp prop;
+
+	d->vmm = false;
+	if (!bb_cuda_has_vmm(api, d->vmm_why, sizeof(d->vmm_why)))
+		return;
+	if ((rc = api->DeviceGetAttribute(&vmm,
+					  CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+					  d->dev)) != CUDA_SUCCESS ||
+	    !vmm) {
+		snprintf(d->vmm_why, sizeof(d->vmm_why),
+			 "device %d does not support virtual memory management "
+			 "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: %s)",
+			 d->ordinal, rc ? bb_cuda_error(api, rc, eb, sizeof(eb)) : "0");
+		return;
+	}
+	if ((rc = api->DeviceGetAttribute(
+		     &fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+		     d->dev)) != CUDA_SUCCESS ||
+	    !fd) {
+		snprintf(d->vmm_why, sizeof(d->vmm_why),
+			 "device %d cannot export allocations as file descriptors "
+			 "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: %s)",
+			 d->ordinal, rc ? bb_cuda_error(api, rc, eb, sizeof(eb)) : "0");
+		return;
+	}
+	vmm_prop(&prop, d->dev);
+	if ((rc = api->CtxSetCurrent(d->ctx)) != CUDA_SUCCESS ||
+	    (rc = api->MemGetAllocationGranularity(
+		     &gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) != CUDA_SUCCESS ||
+	    gran == 0) {
+		snprintf(d->vmm_why, sizeof(d->vmm_why),
+			 "device %d: cuMemGetAllocationGranularity failed: %s", d->ordinal,
+			 rc ? bb_cuda_error(api, rc, eb, sizeof(eb)) : "granularity 0");
+		return;
+	}
+	d->vmm_unit = align_up(SLAB_GRANULE, gran);
+	d->vmm = true;
+	d->vmm_why[0] = '\0';
 }
 
 /* Learn device i and retain its primary context. 0, or -1 with why. */
@@ -832,6 +1177,7 @@ static int device_open(cuda_backend *cu, int i, char *why, size_t whylen)
 		goto err;
 	}
 	d->limit = cu->cfg.device_bytes ? cu->cfg.device_bytes : d->total / 10 * 9;
+	device_probe_vmm(cu, d);
 	return 0;
 err:
 	snprintf(why, whylen, "device %d: %s failed: %s", i, call,
@@ -886,6 +1232,8 @@ backend *backend_cuda_new(const backend_cuda_config *cfg, char *why, size_t whyl
 	cu->be.import_fd = NULL;
 	cu->be.free = cuda_free;
 	cu->be.export_mem = cuda_export;
+	cu->be.fd_allocation = cuda_fd_allocation;
+	cu->be.export_allocation = cuda_export_allocation;
 	cu->be.destroy = cuda_destroy;
 	cu->be.devices = cuda_devices;
 	cu->be.usage = cuda_usage;

@@ -270,12 +270,13 @@ static int host_create(host_backend *hb, uint64_t bytes, int *fd_out, char *err,
 	return 0;
 }
 
-static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
+static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		      backend_mem *out, char *err, size_t errlen)
 {
 	host_backend *hb = be->ctx;
 	(void)device;
 	(void)share;
+	(void)handle;
 	uint64_t bytes = host_class(hb, size);
 	int fd = pool_take(hb, uid, bytes);
 	if (fd >= 0) {

@@ -7,6 +7,7 @@
 #include "broker.h"
 #include "idmap.h"
 #include "utf8.h"
+#include "wire.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -84,6 +85,7 @@ struct broker_buf {
 	uint8_t kind;              /* bb_kind: BB_HOST or BB_CUDA */
 	uint8_t state;             /* bb_state: PENDING until SetReady/SetError */
 	uint8_t share;             /* BB_SHARE_* */
+	uint8_t cuda_handle;       /* bb_cuda_handle: LEGACY or VMM; 0 for host */
 };
 
 _Static_assert(offsetof(struct broker_buf, id) == 0,
@@ -101,37 +103,49 @@ _Static_assert(sizeof(void *) != 8 || sizeof(struct broker_buf) <= 136,
  * Never written; compared by address so that it is never freed. */
 static char error_unstored[] = "failed (the daemon had no memory to keep the message)";
 
+/* The VMM allocations one connection holds buffers of: a grant carries
+ * the allocation's fd when its entry is new. */
+typedef struct conn_allocation {
+	uint64_t allocation; /* key: the backend's fd_allocation identity */
+	uint32_t buffers;    /* buffers of it the connection holds a count on (> 0) */
+	UT_hash_handle hh;   /* in broker_conn.allocations */
+} conn_allocation;
+
 struct broker_conn {
-	uint32_t uid, gid, pid;   /* SO_PEERCRED */
-	idmap holdings;           /* item: a buffer; value: this connection's count (> 0) */
-	broker_buf *produced;     /* buffers it allocated, still PENDING */
-	token *tokens;            /* tokens it made that are live */
-	uint32_t ntokens;         /* length of tokens */
-	broker_waiter *waiters;   /* its parked waits */
-	uint32_t nwaits;          /* length of waiters */
-	uint64_t opened_ms;       /* when it opened, for its age */
-	broker_conn *prev, *next; /* broker.conns */
+	uint32_t uid, gid, pid;       /* SO_PEERCRED */
+	uint32_t minor;               /* protocol minor version of its Hello */
+	idmap holdings;               /* item: a buffer; value: this connection's count (> 0) */
+	conn_allocation *allocations; /* VMM allocations of the buffers it holds */
+	broker_buf *produced;         /* buffers it allocated, still PENDING */
+	token *tokens;                /* tokens it made that are live */
+	uint32_t ntokens;             /* length of tokens */
+	broker_waiter *waiters;       /* its parked waits */
+	uint32_t nwaits;              /* length of waiters */
+	uint64_t opened_ms;           /* when it opened, for its age */
+	broker_conn *prev, *next;     /* broker.conns */
 };
 
 struct broker {
-	broker_config cfg;                    /* clock, random source */
-	broker_limits limits;                 /* in force */
-	backend *be[BROKER_KINDS];            /* per kind; NULL = unsupported */
-	char why[BROKER_KINDS][160];          /* why a kind is unsupported */
-	idmap by_id;                          /* all live buffers */
-	buf_name *by_name;                    /* the named ones */
-	token *tokens;                        /* live tokens by value */
-	token *token_fifo;                    /* live tokens, oldest first */
-	uid_usage *uids;                      /* usage per uid */
-	uid_tokens *uid_tokens;               /* live tokens per maker uid */
-	broker_conn *conns;                   /* open connections */
-	uint32_t nconns;                      /* length of conns */
-	uint64_t next_id;                     /* next buffer id */
-	uint64_t ntokens;                     /* live tokens */
-	uint64_t nwaits;                      /* parked waits */
-	uint64_t buffers[BROKER_KINDS];       /* live buffers per kind */
-	uint64_t bytes[BROKER_KINDS];         /* their bytes */
-	uint64_t refused[BROKER_LIMIT_COUNT]; /* requests each limit refused */
+	broker_config cfg;                          /* clock, random source */
+	broker_limits limits;                       /* in force */
+	backend *be[BROKER_KINDS];                  /* per kind; NULL = unsupported */
+	char why[BROKER_KINDS][160];                /* why a kind is unsupported */
+	idmap by_id;                                /* all live buffers */
+	buf_name *by_name;                          /* the named ones */
+	token *tokens;                              /* live tokens by value */
+	token *token_fifo;                          /* live tokens, oldest first */
+	uid_usage *uids;                            /* usage per uid */
+	uid_tokens *uid_tokens;                     /* live tokens per maker uid */
+	broker_conn *conns;                         /* open connections */
+	uint32_t nconns;                            /* length of conns */
+	uint64_t next_id;                           /* next buffer id */
+	uint64_t ntokens;                           /* live tokens */
+	uint64_t nwaits;                            /* parked waits */
+	uint64_t buffers[BROKER_KINDS];             /* live buffers per kind */
+	uint64_t bytes[BROKER_KINDS];               /* their bytes */
+	uint64_t refused[BROKER_LIMIT_COUNT];       /* requests each limit refused */
+	uint64_t cuda_buffers[BROKER_CUDA_HANDLES]; /* live CUDA buffers per handle kind */
+	uint64_t cuda_bytes[BROKER_CUDA_HANDLES];   /* ... their bytes */
 };
 
 static int fail(broker_error *err, int code, const char *fmt, ...)
@@ -351,6 +365,8 @@ static void destroy(broker *b, broker_buf *buf)
 	}
 	b->buffers[buf->kind]--;
 	b->bytes[buf->kind] -= buf->size;
+	b->cuda_buffers[buf->cuda_handle]--;
+	b->cuda_bytes[buf->cuda_handle] -= buf->size;
 	buf->be->free(buf->be, &buf->mem);
 	free(buf->name);
 	if (buf->error != error_unstored)
@@ -365,6 +381,51 @@ static void drop_refs(broker *b, broker_buf *buf, uint64_t n)
 		destroy(b, buf);
 }
 
+/* The allocation whose fd grants of buf carry once per connection; 0
+ * for all but VMM buffers (a byte's test, no call, for the others). */
+static uint64_t fd_allocation(const broker_buf *buf)
+{
+	if (buf->cuda_handle != BB_CUDA_HANDLE_VMM || !buf->be->fd_allocation)
+		return 0;
+	return buf->be->fd_allocation(buf->be, &buf->mem);
+}
+
+static conn_allocation *conn_allocation_find(const broker_conn *conn, uint64_t allocation)
+{
+	conn_allocation *a;
+	HASH_FIND(hh, conn->allocations, &allocation, sizeof(allocation), a);
+	return a;
+}
+
+/* conn starts (delta 1) or stops (-1) holding a buffer of allocation.
+ * Starting can fail (out of memory): BB_ERR_NO_MEMORY. */
+static int conn_allocation_add(broker_conn *conn, uint64_t allocation, int delta)
+{
+	conn_allocation *a = conn_allocation_find(conn, allocation);
+	if (delta > 0) {
+		if (!a) {
+			if (!(a = calloc(1, sizeof(*a))))
+				return BB_ERR_NO_MEMORY;
+			a->allocation = allocation;
+			HASH_ADD(hh, conn->allocations, allocation, sizeof(a->allocation), a);
+		}
+		a->buffers++;
+	} else if (a && --a->buffers == 0) {
+		HASH_DELETE(hh, conn->allocations, a);
+		free(a);
+	}
+	return 0;
+}
+
+static void conn_allocations_free(broker_conn *conn)
+{
+	conn_allocation *a, *tmp;
+	HASH_ITER (hh, conn->allocations, a, tmp) {
+		HASH_DELETE(hh, conn->allocations, a);
+		free(a);
+	}
+}
+
 /* Give conn count more references on buf; the caller adjusts refs.
  * *held (may be NULL) gets conn's count afterwards. */
 static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *held,
@@ -372,8 +433,14 @@ static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *he
 {
 	idmap_slot *h = find_holding(conn, buf->id);
 	if (!h) {
-		if (idmap_insert(&conn->holdings, buf, count))
+		uint64_t alloc = fd_allocation(buf);
+		if (alloc && conn_allocation_add(conn, alloc, 1))
 			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		if (idmap_insert(&conn->holdings, buf, count)) {
+			if (alloc)
+				conn_allocation_add(conn, alloc, -1);
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		}
 		if (held)
 			*held = count;
 		return 0;
@@ -392,8 +459,23 @@ static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *he
 static void unhold(broker_conn *conn, idmap_slot *h, uint32_t count)
 {
 	h->value -= count;
-	if (h->value == 0)
+	if (h->value == 0) {
+		uint64_t alloc = fd_allocation(h->item);
+		if (alloc)
+			conn_allocation_add(conn, alloc, -1);
 		idmap_remove(&conn->holdings, h);
+	}
+}
+
+/* Whether buf can be granted to conn: a VMM buffer needs protocol 1.2. */
+static int grantable(const broker_buf *buf, const broker_conn *conn, broker_error *err)
+{
+	if (buf->cuda_handle == BB_CUDA_HANDLE_VMM && conn->minor < 2)
+		return fail(err, BB_ERR_UNSUPPORTED,
+			    "buffer %" PRIu64 " is a VMM CUDA buffer, which needs protocol 1.2 "
+			    "(this client speaks 1.%u): upgrade libbufbroker",
+			    buf->id, conn->minor);
+	return 0;
 }
 
 /* Whether the share policy lets conn reach buf without holding it. */
@@ -463,6 +545,12 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	if (req->device < 0 || (req->kind == BB_HOST && req->device != 0))
 		return fail(err, BB_ERR_INVALID, "device %d is not valid for %s buffers",
 			    req->device, bb_kind_name(req->kind));
+	if (req->cuda_handle < BB_CUDA_HANDLE_DEFAULT || req->cuda_handle > BB_CUDA_HANDLE_VMM)
+		return fail(err, BB_ERR_INVALID, "unknown CUDA handle kind %d", req->cuda_handle);
+	if (req->kind != BB_CUDA && req->cuda_handle != BB_CUDA_HANDLE_DEFAULT)
+		return fail(err, BB_ERR_INVALID,
+			    "a CUDA handle kind applies to CUDA buffers only, not %s ones",
+			    bb_kind_name(req->kind));
 	if (name && (rc = check_name(name, err)))
 		return rc;
 	backend *be = b->be[req->kind];
@@ -523,11 +611,12 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 		goto err_buf;
 	}
 	char msg[BROKER_ERR_LEN] = "";
+	int handle = req->cuda_handle;
 	if (req->import_fd >= 0)
 		rc = be->import_fd(be, req->import_fd, req->size, &buf->mem, msg, sizeof(msg));
 	else
-		rc = be->alloc(be, req->size, req->device, conn->uid, req->share, &buf->mem, msg,
-			       sizeof(msg));
+		rc = be->alloc(be, req->size, req->device, conn->uid, req->share, &handle,
+			       &buf->mem, msg, sizeof(msg));
 	if (rc) {
 		/* BACKEND_GROW passes through: the caller retries later. */
 		fail(err, rc, "%s", msg[0] ? msg : "the backend could not provide the memory");
@@ -544,6 +633,9 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	buf->share = req->share;
 	buf->created_ms = now(b);
 	buf->be = be;
+	buf->cuda_handle = req->kind == BB_CUDA && handle > 0 && handle < BROKER_CUDA_HANDLES
+				   ? (uint8_t)handle
+				   : BB_CUDA_HANDLE_DEFAULT;
 	if ((rc = idmap_insert(&b->by_id, buf, 0))) {
 		fail(err, rc, "daemon out of memory");
 		goto err_mem;
@@ -560,6 +652,8 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	u->bytes[buf->kind] += buf->size;
 	b->buffers[buf->kind]++;
 	b->bytes[buf->kind] += buf->size;
+	b->cuda_buffers[buf->cuda_handle]++;
+	b->cuda_bytes[buf->cuda_handle] += buf->size;
 	*out = buf;
 	return 0;
 
@@ -583,6 +677,8 @@ int broker_open_id(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, 
 	broker_buf *buf = NULL;
 	int rc = reach(b, conn, id, &buf, err);
 	if (rc)
+		return rc;
+	if ((rc = grantable(buf, conn, err)))
 		return rc;
 	if ((rc = hold(conn, buf, 1, NULL, err)))
 		return rc;
@@ -751,7 +847,10 @@ int broker_adopt(broker *b, broker_conn *conn, const unsigned char tok[BB_TOKEN_
 		drop_refs(b, buf, 1);
 		return fail(err, BB_ERR_NOT_FOUND, "the token expired");
 	}
-	int rc = hold(conn, buf, 1, NULL, err);
+	int rc = grantable(buf, conn, err);
+	if (rc)
+		return rc; /* the token stays, for a client that can map it */
+	rc = hold(conn, buf, 1, NULL, err);
 	if (rc)
 		return rc;
 	token_forget(b, t); /* its reference is now conn's: refs unchanged */
@@ -874,6 +973,7 @@ broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pi
 	conn->uid = uid;
 	conn->gid = gid;
 	conn->pid = pid;
+	conn->minor = BB_PROTO_MINOR;
 	conn->opened_ms = now(b);
 	DL_APPEND(b->conns, conn);
 	b->nconns++;
@@ -906,6 +1006,7 @@ void broker_conn_close(broker *b, broker_conn *conn)
 	for (idmap_slot *h = idmap_next(&held, NULL); h; h = idmap_next(&held, h))
 		drop_refs(b, h->item, h->value);
 	idmap_free(&held);
+	conn_allocations_free(conn);
 	DL_DELETE(b->conns, conn);
 	b->nconns--;
 	free(conn);
@@ -914,6 +1015,34 @@ void broker_conn_close(broker *b, broker_conn *conn)
 uint32_t broker_conn_uid(const broker_conn *conn)
 {
 	return conn->uid;
+}
+
+void broker_conn_set_minor(broker_conn *conn, uint32_t minor)
+{
+	conn->minor = minor;
+}
+
+uint32_t broker_conn_allocation_buffers(const broker_conn *conn, uint64_t allocation)
+{
+	const conn_allocation *a = conn_allocation_find(conn, allocation);
+	return a ? a->buffers : 0;
+}
+
+int broker_allocation_fd(broker *b, broker_conn *conn, uint64_t allocation, backend_export *out,
+			 broker_error *err)
+{
+	backend *be = b->be[BB_CUDA];
+	char msg[BROKER_ERR_LEN] = "";
+	memset(out, 0, sizeof(*out));
+	out->fd = -1;
+	if (!allocation || !conn_allocation_find(conn, allocation) || !be || !be->export_allocation)
+		return fail(err, BB_ERR_NOT_FOUND,
+			    "this connection holds no buffer in VMM allocation %" PRIu64,
+			    allocation);
+	int rc = be->export_allocation(be, allocation, out, msg, sizeof(msg));
+	if (rc)
+		return fail(err, rc, "%s", msg[0] ? msg : "the backend could not export it");
+	return 0;
 }
 
 uint32_t broker_conn_pid(const broker_conn *conn)
@@ -964,6 +1093,7 @@ void broker_buf_info(broker *b, const broker_buf *buf, const broker_conn *conn, 
 	out->owner_gid = buf->owner_gid;
 	out->share = buf->share;
 	out->age_ms = now(b) - buf->created_ms;
+	out->cuda_handle = buf->cuda_handle;
 }
 
 int broker_buf_export(broker *b, const broker_buf *buf, backend_export *out, broker_error *err)
@@ -984,11 +1114,22 @@ int broker_grant(broker *b, broker_conn *conn, broker_buf *buf, broker_granted *
 {
 	broker_buf_info(b, buf, conn, &out->info);
 	out->exposed = false;
+	out->allocation_fd = false;
 	int rc = broker_buf_export(b, buf, &out->ex, err);
 	if (rc) {
 		/* The caller got a count it will never learn of: give it back. */
 		broker_release(b, conn, out->info.id, 1, NULL, NULL, NULL);
 		return rc;
+	}
+	uint64_t alloc = fd_allocation(buf);
+	if (alloc) {
+		/* The fd goes once: with the grant that made conn hold its first
+		 * buffer of the allocation (this buffer, one count, alone). */
+		const idmap_slot *h = find_holding(conn, buf->id);
+		out->allocation_fd =
+			broker_conn_allocation_buffers(conn, alloc) == 1 && h && h->value == 1;
+		if (!out->allocation_fd)
+			out->ex.fd = -1;
 	}
 	if (buf->owner_uid != conn->uid && buf->be->expose) {
 		buf->be->expose(buf->be, &buf->mem);
@@ -1083,6 +1224,8 @@ void broker_totals_get(broker *b, broker_totals *out)
 	out->tokens = b->ntokens;
 	out->waits = b->nwaits;
 	memcpy(out->refused, b->refused, sizeof(out->refused));
+	memcpy(out->cuda_buffers, b->cuda_buffers, sizeof(out->cuda_buffers));
+	memcpy(out->cuda_bytes, b->cuda_bytes, sizeof(out->cuda_bytes));
 }
 
 const char *broker_limit_name(broker_limit limit)
@@ -1141,12 +1284,59 @@ typedef struct check_row {
 	UT_hash_handle hh;
 } check_row;
 
+/* conn's books of VMM allocations against its holdings: each allocation
+ * counts the buffers of it that conn holds, and no other is there. */
+static void check_conn_allocations(broker *b, broker_conn *c, char *report, size_t len,
+				   size_t *used, int *problems)
+{
+	(void)b;
+	conn_allocation *seen = NULL, *a, *tmp;
+	for (idmap_slot *h = idmap_next(&c->holdings, NULL); h; h = idmap_next(&c->holdings, h)) {
+		uint64_t alloc = fd_allocation(h->item);
+		if (!alloc)
+			continue;
+		HASH_FIND(hh, seen, &alloc, sizeof(alloc), a);
+		if (!a) {
+			if (!(a = calloc(1, sizeof(*a)))) {
+				report_add(report, len, used, problems, "check: out of memory");
+				goto out;
+			}
+			a->allocation = alloc;
+			HASH_ADD(hh, seen, allocation, sizeof(a->allocation), a);
+		}
+		a->buffers++;
+	}
+	for (a = c->allocations; a; a = a->hh.next) {
+		conn_allocation *s;
+		HASH_FIND(hh, seen, &a->allocation, sizeof(a->allocation), s);
+		if (!s || s->buffers != a->buffers)
+			report_add(
+				report, len, used, problems,
+				"connection of pid %u counts %u buffers in VMM allocation %" PRIu64
+				" but holds %u",
+				c->pid, a->buffers, a->allocation, s ? s->buffers : 0);
+	}
+	for (a = seen; a; a = a->hh.next)
+		if (!conn_allocation_find(c, a->allocation))
+			report_add(
+				report, len, used, problems,
+				"connection of pid %u holds %u buffers in VMM allocation %" PRIu64
+				" that its books do not count",
+				c->pid, a->buffers, a->allocation);
+out:
+	HASH_ITER (hh, seen, a, tmp) {
+		HASH_DELETE(hh, seen, a);
+		free(a);
+	}
+}
+
 int broker_check(broker *b, char *report, size_t len)
 {
 	size_t used = 0;
 	int problems = 0;
 	check_row *rows = NULL, *row, *tmp;
 	uint64_t buffers[BROKER_KINDS] = {0}, bytes[BROKER_KINDS] = {0};
+	uint64_t hbuffers[BROKER_CUDA_HANDLES] = {0}, hbytes[BROKER_CUDA_HANDLES] = {0};
 	uint64_t waits = 0, conns = 0;
 
 	if (len)
@@ -1163,6 +1353,11 @@ int broker_check(broker *b, char *report, size_t len)
 		HASH_ADD(hh, rows, buf, sizeof(row->buf), row);
 		buffers[buf->kind]++;
 		bytes[buf->kind] += buf->size;
+		hbuffers[buf->cuda_handle]++;
+		hbytes[buf->cuda_handle] += buf->size;
+		if ((buf->kind == BB_CUDA) != (buf->cuda_handle != BB_CUDA_HANDLE_DEFAULT))
+			PROBLEM("buffer %" PRIu64 ": a %s buffer with CUDA handle kind %d", buf->id,
+				bb_kind_name(buf->kind), buf->cuda_handle);
 		if (find_buf(b, buf->id) != buf)
 			PROBLEM("buffer %" PRIu64 ": its id does not lead back to it", buf->id);
 		if (buf->name && find_name(b, buf->name->text) != buf)
@@ -1189,6 +1384,7 @@ int broker_check(broker *b, char *report, size_t len)
 					c->pid, hb->id);
 			row->counts += h->value;
 		}
+		check_conn_allocations(b, c, report, len, &used, &problems);
 		uint32_t nw = 0, nt = 0;
 		for (broker_waiter *w = c->waiters; w; w = w->cnext) {
 			nw++;
@@ -1239,6 +1435,12 @@ int broker_check(broker *b, char *report, size_t len)
 			PROBLEM("buffer %" PRIu64 ": %" PRIu64
 				" waiters, connections know of %" PRIu64,
 				buf->id, nwaiters, row->waiters);
+	}
+	for (int k = 0; k < BROKER_CUDA_HANDLES; k++) {
+		if (hbuffers[k] != b->cuda_buffers[k] || hbytes[k] != b->cuda_bytes[k])
+			PROBLEM("CUDA handle kind %d totals say %" PRIu64 " buffers, %" PRIu64
+				" bytes; the buffers add up to %" PRIu64 ", %" PRIu64,
+				k, b->cuda_buffers[k], b->cuda_bytes[k], hbuffers[k], hbytes[k]);
 	}
 	for (int k = 1; k < BROKER_KINDS; k++) {
 		if (buffers[k] != b->buffers[k] || bytes[k] != b->bytes[k])

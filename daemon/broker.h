@@ -40,7 +40,8 @@
 #include "kinds.h"
 
 #define BROKER_ERR_LEN 256
-#define BROKER_KINDS (BB_KIND_COUNT + 1) /* index by bb_kind; 0 unused */
+#define BROKER_KINDS (BB_KIND_COUNT + 1)             /* index by bb_kind; 0 unused */
+#define BROKER_CUDA_HANDLES (BB_CUDA_HANDLE_VMM + 1) /* index by bb_cuda_handle */
 
 typedef struct broker broker;
 typedef struct broker_conn broker_conn;
@@ -86,6 +87,7 @@ typedef struct broker_info {
 	uint32_t owner_gid;
 	int share;
 	uint64_t age_ms;
+	int cuda_handle; /* BB_CUDA_HANDLE_LEGACY or _VMM for CUDA buffers; 0 for host */
 } broker_info;
 
 /* The broker's limits that refuse requests, for counting refusals. Named
@@ -108,6 +110,8 @@ typedef struct broker_totals {
 	uint64_t tokens;
 	uint64_t waits;
 	uint64_t refused[BROKER_LIMIT_COUNT]; /* requests each limit refused since broker_new */
+	uint64_t cuda_buffers[BROKER_CUDA_HANDLES]; /* live CUDA buffers per handle kind */
+	uint64_t cuda_bytes[BROKER_CUDA_HANDLES];   /* ... and their bytes */
 } broker_totals;
 
 /* What Alloc and ImportFd ask for. */
@@ -118,6 +122,8 @@ typedef struct broker_alloc_req {
 	const char *name; /* NULL or "" = unnamed; at most BB_NAME_MAX bytes */
 	int share;        /* BB_SHARE_* */
 	int import_fd;    /* -1: allocate from the backend; else import this fd */
+	int cuda_handle;  /* BB_CUDA_HANDLE_*: what CUDA handle kind is asked for;
+			   * host buffers take DEFAULT only */
 } broker_alloc_req;
 
 /* A parked Wait. The caller owns the memory and embeds it in its own
@@ -163,6 +169,11 @@ broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pi
  * tokens (they live on) and frees conn. */
 void broker_conn_close(broker *b, broker_conn *conn);
 uint32_t broker_conn_uid(const broker_conn *conn);
+/* The protocol minor version conn's Hello said (a new connection speaks
+ * BB_PROTO_MINOR). Below 2, Open and Adopt of a VMM CUDA buffer are
+ * BB_ERR_UNSUPPORTED (the client cannot map it), and nothing changes: no
+ * count is taken, a token stays live. */
+void broker_conn_set_minor(broker_conn *conn, uint32_t minor);
 uint32_t broker_conn_pid(const broker_conn *conn);
 /* Buffers and bytes the connection holds at least one count on. */
 void broker_conn_holdings(const broker_conn *conn, uint64_t *buffers, uint64_t *bytes);
@@ -242,14 +253,20 @@ uint64_t broker_expire_tokens(broker *b);
 /* What a client is granted with a buffer: the buffer as it sees it and
  * what maps the memory. */
 typedef struct broker_granted {
-	broker_info info;  /* the buffer, held as the grantee's connection holds it */
-	backend_export ex; /* what maps it (ex.fd borrowed: attach, don't close) */
-	bool exposed;      /* it goes to another uid than the owner's and the
+	broker_info info;   /* the buffer, held as the grantee's connection holds it */
+	backend_export ex;  /* what maps it (ex.fd borrowed: attach, don't close;
+			    * -1 for a VMM buffer without allocation_fd) */
+	bool allocation_fd; /* VMM: ex.fd is the allocation's fd, sent because the
+			     * connection held no count on any buffer of that
+			     * allocation before this grant */
+	bool exposed;       /* it goes to another uid than the owner's and the
 			    * backend was told: a host memfd is never reused for
 			    * a later buffer */
 } broker_granted;
 
 /* The grant of buf, which alloc, open or adopt just gave conn a count on.
+ * A VMM buffer's allocation fd is in it (allocation_fd) exactly when conn
+ * held no count on any buffer of that allocation before this grant's.
  * A grant to a connection whose uid is not the owner's exposes the memory
  * (backend expose: a host memfd is then never pooled for reuse, since the
  * grantee may keep its fd). When the backend cannot export it, conn's new
@@ -257,6 +274,15 @@ typedef struct broker_granted {
  * returned. */
 int broker_grant(broker *b, broker_conn *conn, broker_buf *buf, broker_granted *out,
 		 broker_error *err);
+
+/* A VMM CUDA buffer's allocation fd, for a connection that needs it again
+ * (AllocationFd): out->fd (borrowed), allocation_size, device_uuid. 0, or
+ * BB_ERR_NOT_FOUND when conn holds no count on a buffer of allocation. */
+int broker_allocation_fd(broker *b, broker_conn *conn, uint64_t allocation, backend_export *out,
+			 broker_error *err);
+/* How many buffers of allocation (a VMM allocation) conn holds a count on:
+ * the per-connection books that decide whether a grant carries the fd. */
+uint32_t broker_conn_allocation_buffers(const broker_conn *conn, uint64_t allocation);
 
 /* Accessors for a buffer returned by alloc/open/adopt. */
 void broker_buf_info(broker *b, const broker_buf *buf, const broker_conn *conn, broker_info *out);

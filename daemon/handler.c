@@ -45,6 +45,7 @@ struct session {
 	uint32_t uid, gid, pid; /* SO_PEERCRED */
 	char name[64];          /* Hello.client_name, for logs */
 	bool hello;             /* Hello accepted */
+	uint32_t minor;         /* protocol minor version it speaks (at most ours) */
 	bool denied;            /* no allow-list admits the peer: its first request is refused */
 	broker_conn *bc;        /* the broker's view of it; NULL when denied or refused */
 	park_wait *waits;       /* its parked Waits */
@@ -158,6 +159,7 @@ static void fill_info(Bufbroker__BufferInfo *bi, const broker_info *in)
 	bi->tokens = in->tokens;
 	bi->age_ms = in->age_ms;
 	bi->held = in->held;
+	bi->cuda_handle = (Bufbroker__CudaHandle)in->cuda_handle;
 }
 
 /* Answer with a Grant for buf, the memory's fd attached. */
@@ -176,9 +178,14 @@ static void grant(req_ctx *r, broker_buf *buf)
 	}
 	fill_info(&bi, &gr.info);
 	g.info = &bi;
-	if (gr.ex.has_ipc) {
-		g.ipc_handle.data = gr.ex.ipc_handle;
-		g.ipc_handle.len = sizeof(gr.ex.ipc_handle);
+	if (gr.ex.has_ipc || gr.ex.cuda_handle == BB_CUDA_HANDLE_VMM) {
+		if (gr.ex.has_ipc) {
+			g.ipc_handle.data = gr.ex.ipc_handle;
+			g.ipc_handle.len = sizeof(gr.ex.ipc_handle);
+		} else {
+			g.allocation_size = gr.ex.allocation_size;
+			g.allocation_fd = gr.allocation_fd;
+		}
 		g.offset = gr.ex.offset;
 		g.device_uuid.data = gr.ex.device_uuid;
 		g.device_uuid.len = sizeof(gr.ex.device_uuid);
@@ -208,6 +215,11 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 		return;
 	}
 	c->hello = true;
+	/* What it can be granted: a client older than 1.2 cannot map VMM
+	 * buffers. */
+	c->minor = h->version_minor < BB_PROTO_MINOR ? h->version_minor : BB_PROTO_MINOR;
+	if (c->bc)
+		broker_conn_set_minor(c->bc, c->minor);
 	/* Kept whole characters only: Clients answers carry it (UTF-8). */
 	const char *name = h->client_name ? h->client_name : "";
 	size_t n = bb_utf8_prefix(name, sizeof(c->name) - 1);
@@ -238,7 +250,7 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 /* Allocate and answer, or BACKEND_GROW (nothing answered) when the backend
  * is making the memory. */
 static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
-		     uint32_t share, int fd)
+		     uint32_t share, int cuda_handle, int fd)
 {
 	broker_error err;
 	broker_buf *buf;
@@ -249,6 +261,11 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 		reply_error(r, BB_ERR_INVALID, msg);
 		return BB_ERR_INVALID;
 	}
+	if (r->c->minor < 2 && kind == BB_CUDA) {
+		/* A 1.1 client maps legacy handles only: what it gets, whatever
+		 * the daemon's default (it cannot ask for a kind). */
+		cuda_handle = BB_CUDA_HANDLE_LEGACY;
+	}
 	broker_alloc_req req = {
 		.size = size,
 		.kind = (bb_kind)kind,
@@ -256,6 +273,7 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 		.name = name,
 		.share = (int)share,
 		.import_fd = fd,
+		.cuda_handle = cuda_handle,
 	};
 	int rc = broker_alloc(r->c->h->b, r->c->bc, &req, &buf, &err);
 	if (rc == BACKEND_GROW)
@@ -271,10 +289,10 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 }
 
 static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const char *name,
-		     uint32_t share, int fd)
+		     uint32_t share, int cuda_handle, int fd)
 {
 	session *c = r->c;
-	if (alloc_try(r, size, kind, device, name, share, fd) != BACKEND_GROW)
+	if (alloc_try(r, size, kind, device, name, share, cuda_handle, fd) != BACKEND_GROW)
 		return;
 	/* The backend is making memory (a new CUDA slab): answer once a
 	 * backend job is done. Later requests on this connection are answered
@@ -288,6 +306,7 @@ static void do_alloc(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 		.kind = kind,
 		.device = device,
 		.share = share,
+		.cuda_handle = cuda_handle,
 		.name = (char *)name,
 	};
 	if (park_alloc_add(c->h->park, &pa)) {
@@ -319,7 +338,8 @@ static bool retry_alloc(void *ctx, const park_alloc *pa)
 		alloc_unparked(c);
 		return true;
 	}
-	if (alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, -1) == BACKEND_GROW)
+	if (alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, pa->cuda_handle,
+		      -1) == BACKEND_GROW)
 		return false;
 	alloc_unparked(c);
 	return true;
@@ -412,6 +432,28 @@ static void do_adopt(req_ctx *r, const Bufbroker__Adopt *a)
 		return;
 	}
 	grant(r, buf);
+}
+
+/* A VMM allocation's fd again, for a connection holding one of its
+ * buffers. */
+static void do_allocation_fd(req_ctx *r, const Bufbroker__AllocationFd *a)
+{
+	backend_export ex;
+	broker_error err;
+	int rc = broker_allocation_fd(r->c->h->b, r->c->bc, a->allocation, &ex, &err);
+	if (rc) {
+		reply_error(r, rc, err.msg);
+		return;
+	}
+	Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+	Bufbroker__AllocationFdReply ar = BUFBROKER__ALLOCATION_FD_REPLY__INIT;
+	ar.allocation = ex.allocation;
+	ar.allocation_size = ex.allocation_size;
+	ar.device_uuid.data = ex.device_uuid;
+	ar.device_uuid.len = sizeof(ex.device_uuid);
+	resp.result_case = BUFBROKER__RESPONSE__RESULT_ALLOCATION_FD;
+	resp.allocation_fd = &ar;
+	reply(r, &resp, ex.fd);
 }
 
 static void do_settle(req_ctx *r, uint64_t id, const char *error)
@@ -633,6 +675,9 @@ static void do_server_status(req_ctx *r)
 		di[i].used_bytes = d->used;
 		di[i].reserved_bytes = d->reserved;
 		di[i].limit_bytes = d->limit;
+		di[i].vmm = d->vmm != 0;
+		di[i].vmm_unavailable = d->vmm ? "" : d->vmm_why;
+		di[i].vmm_allocations = d->vmm_allocations;
 		dip[i] = &di[i];
 	}
 	ss.n_devices = (size_t)n;
@@ -935,7 +980,8 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 	case BUFBROKER__REQUEST__OP_HELLO: do_hello(&r, req->hello); break;
 	case BUFBROKER__REQUEST__OP_ALLOC: {
 		const Bufbroker__Alloc *a = req->alloc;
-		do_alloc(&r, a->size, a->kind, a->device, a->name, a->share, -1);
+		do_alloc(&r, a->size, a->kind, a->device, a->name, a->share, (int)a->cuda_handle,
+			 -1);
 		break;
 	}
 	case BUFBROKER__REQUEST__OP_IMPORT_FD: {
@@ -947,7 +993,8 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 			reply_error(&r, BB_ERR_INVALID,
 				    "only host buffers can be imported from an fd");
 		else
-			do_alloc(&r, a->size, a->kind, a->device, a->name, a->share, fd);
+			do_alloc(&r, a->size, a->kind, a->device, a->name, a->share,
+				 BB_CUDA_HANDLE_DEFAULT, fd);
 		if (fd >= 0)
 			close(fd); /* the backend kept its own duplicate */
 		break;
@@ -974,6 +1021,7 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 	case BUFBROKER__REQUEST__OP_SERVER_STATUS: do_server_status(&r); break;
 	case BUFBROKER__REQUEST__OP_CLIENTS: do_clients(&r, req->clients); break;
 	case BUFBROKER__REQUEST__OP_CHECK: do_check(&r); break;
+	case BUFBROKER__REQUEST__OP_ALLOCATION_FD: do_allocation_fd(&r, req->allocation_fd); break;
 	default:
 		r.quiet = false;
 		reply_error(&r, BB_ERR_PROTOCOL, "unknown or missing op");

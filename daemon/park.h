@@ -36,6 +36,7 @@ typedef struct park_alloc {
 	int kind;
 	int32_t device;
 	uint32_t share;
+	int cuda_handle;                /* BB_CUDA_HANDLE_* asked for */
 	char *name;                     /* copy, or NULL */
 	struct park_alloc *prev, *next; /* the lot's list, oldest first */
 } park_alloc;

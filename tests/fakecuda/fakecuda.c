@@ -57,6 +57,7 @@
 /* Codes the fake returns beyond those cuda_api.h names (values as in cuda.h). */
 enum {
 	CUDA_ERROR_MAP_FAILED = 205,
+	CUDA_ERROR_NOT_PERMITTED = 800,
 	CUDA_ERROR_OPERATING_SYSTEM = 304,
 	CUDA_ERROR_UNKNOWN = 999,
 };
@@ -66,11 +67,18 @@ enum {
 
 #define MAX_DEVICES 64
 #define SLOTS 256            /* processes that may hold memory on one device at once */
+#define VMM_ENTRIES 1024     /* VMM allocations alive on one device at once */
 #define DRIVER_VERSION 13000 /* cuDriverGetVersion: CUDA 13.0 */
 #define DEFAULT_DEVICES 2
 #define DEFAULT_MEMORY (1ull << 30)
-#define CTX_MAGIC 0x46434358u /* "FCCX" */
-#define NAME_LEN 44           /* shm name in a handle, NUL included */
+#define CTX_MAGIC 0x46434358u    /* "FCCX" */
+#define NAME_LEN 44              /* shm name in a handle, NUL included */
+#define GRANULARITY (2ull << 20) /* VMM: minimum and recommended, as real devices */
+/* cuMemExportToShareableHandle of a handle created without the type, and
+ * cuMemImportFromShareableHandle of an fd that is not a fakecuda memfd of
+ * this namespace: "invalid argument", as the driver answers both. */
+#define VMM_NOT_REQUESTED_RC CUDA_ERROR_INVALID_VALUE
+#define VMM_BAD_FD_RC CUDA_ERROR_INVALID_VALUE
 
 static const char handle_magic[4] = {'F', 'K', 'C', 'U'};
 
@@ -81,7 +89,31 @@ struct fake_ctx {
 	int retained;   /* cuDevicePrimaryCtxRetain count; 0: inactive */
 };
 
-/* One allocation of this process, or one opened from another's handle. */
+/* A CUmemGenericAllocationHandle of this process (VMM): made by cuMemCreate
+ * or cuMemImportFromShareableHandle. The physical memory is a memfd. Lives
+ * until cuMemRelease and the last cuMemUnmap of it (or exit). */
+struct fake_alloc {
+	uint64_t id;     /* the physical allocation's identity, the same in every process */
+	int fd;          /* the memfd (kept to export it), or -1 (imported, or not exportable) */
+	char *data;      /* the bytes: the memfd mapped writable, the whole allocation */
+	size_t size;     /* bytes, a multiple of GRANULARITY */
+	int phys;        /* physical device */
+	bool created;    /* by cuMemCreate here (not imported) */
+	bool exportable; /* POSIX_FILE_DESCRIPTOR requested at create */
+	bool released;   /* cuMemRelease done; lives on while mapped */
+	int maps;        /* cuMemMap mappings of it */
+	struct fake_alloc *prev, *next;
+};
+
+/* A cuMemAddressReserve range: PROT_NONE, as device pointers are. */
+struct fake_resv {
+	CUdeviceptr base;
+	size_t size;
+	struct fake_resv *prev, *next;
+};
+
+/* One allocation of this process, or one opened from another's handle, or
+ * one VMM mapping (cuMemMap of an allocation into a reservation). */
 struct fake_map {
 	CUdeviceptr dptr;     /* device address: a PROT_NONE reservation */
 	char *data;           /* the bytes: the shm object mapped writable */
@@ -91,6 +123,11 @@ struct fake_map {
 	bool imported;        /* opened by cuIpcOpenMemHandle, not cuMemAlloc */
 	struct fake_ctx *ctx; /* current when it was made; its reset frees it */
 	char name[NAME_LEN];  /* the shm object */
+	/* VMM mappings only: the allocation (data is its bytes), and the
+	 * physical devices cuMemSetAccess let read and write it (bit i: device
+	 * i); a copy from a context of a device without access fails. */
+	struct fake_alloc *alloc;
+	uint64_t rdev, wdev;
 	struct fake_map *prev, *next;
 };
 
@@ -111,8 +148,15 @@ struct dev_shared {
 	struct {
 		int32_t pid; /* 0: a free slot */
 		uint32_t pad;
-		uint64_t bytes; /* what pid holds on the device */
+		uint64_t bytes; /* what pid holds on the device (cuMemAlloc) */
 	} slot[SLOTS];
+	/* VMM allocations: each counts once while any living process holds a
+	 * handle or mapping of it (its creator or an importer). */
+	struct {
+		uint64_t id; /* 0: a free entry */
+		uint64_t bytes;
+		uint64_t holders[SLOTS / 64]; /* bit i: slot i's process holds it */
+	} vmm[VMM_ENTRIES];
 };
 
 enum { ST_UNINIT, ST_READY, ST_FORKED };
@@ -128,7 +172,10 @@ static struct {
 	struct fake_ctx ctx[MAX_DEVICES]; /* primary contexts, by physical device */
 	int devfd[MAX_DEVICES];           /* accounting objects, by physical device */
 	struct dev_shared *dev[MAX_DEVICES];
-	struct fake_map *maps;      /* allocations and opened handles */
+	struct fake_map *maps;      /* allocations, opened handles, VMM mappings */
+	struct fake_alloc *allocs;  /* VMM allocation handles */
+	struct fake_resv *resvs;    /* VMM address reservations */
+	uint64_t vmm_fd;            /* physical devices with POSIX-fd export (bit i) */
 	uint64_t serial;            /* mixed into shm names */
 	atomic_ulong opens, closes; /* successful cuIpcOpen/CloseMemHandle */
 } g = {.lock = PTHREAD_RWLOCK_INITIALIZER};
@@ -366,7 +413,24 @@ static uint64_t dev_used(int phys, bool reclaim)
 			unlink_matching(start);
 			d->slot[i].pid = 0;
 			d->slot[i].bytes = 0;
+			for (int e = 0; e < VMM_ENTRIES; e++)
+				d->vmm[e].holders[i / 64] &= ~(1ull << (i % 64));
 		}
+	}
+	for (int e = 0; e < VMM_ENTRIES; e++) {
+		if (!d->vmm[e].id)
+			continue;
+		bool held = false;
+		for (int w = 0; w < SLOTS / 64 && !held; w++) {
+			for (uint64_t b = d->vmm[e].holders[w]; b && !held; b &= b - 1) {
+				pid_t pid = d->slot[w * 64 + __builtin_ctzll(b)].pid;
+				held = pid && pid_alive(pid);
+			}
+		}
+		if (held)
+			used += d->vmm[e].bytes;
+		else if (reclaim)
+			memset(&d->vmm[e], 0, sizeof(d->vmm[e]));
 	}
 	return used;
 }
@@ -450,8 +514,22 @@ static int map_fd(struct fake_map *m, int fd, size_t size)
 
 /* Unmap m and forget it; an allocation of ours is also unlinked and its
  * bytes given back to the device. */
+#ifndef FAKECUDA_NO_VMM
+static void alloc_unref(struct fake_alloc *a);
+#endif
+
 static void map_drop(struct fake_map *m)
 {
+#ifndef FAKECUDA_NO_VMM
+	if (m->alloc) {
+		struct fake_alloc *a = m->alloc;
+		DL_DELETE(g.maps, m);
+		free(m);
+		a->maps--;
+		alloc_unref(a);
+		return;
+	}
+#endif
 	if (!m->imported) {
 		dev_lock(m->phys, LOCK_EX);
 		int s = dev_slot(m->phys, false);
@@ -479,11 +557,22 @@ static struct fake_map *map_find(CUdeviceptr p, size_t n)
 	return NULL;
 }
 
+/* The mapping that holds [p, p + n) for a copy in the current context: a
+ * VMM mapping only where cuMemSetAccess let the context's device read it
+ * (write: and write it). */
+static struct fake_map *map_copy(CUdeviceptr p, size_t n, bool write)
+{
+	struct fake_map *m = map_find(p, n);
+	if (m && m->alloc && !((write ? m->wdev : m->rdev) & (1ull << cur->phys)))
+		return NULL;
+	return m;
+}
+
 static struct fake_map *map_at_base(CUdeviceptr p, bool imported)
 {
 	struct fake_map *m;
 	DL_FOREACH (g.maps, m) {
-		if (m->dptr == p && m->imported == imported)
+		if (m->dptr == p && m->imported == imported && !m->alloc)
 			return m;
 	}
 	return NULL;
@@ -514,6 +603,102 @@ static bool is_ctx(const void *p)
 		return false;
 	return ((const struct fake_ctx *)p)->magic == CTX_MAGIC;
 }
+
+/* ---- VMM allocations (g.lock held exclusively) ---------------------------- */
+#ifndef FAKECUDA_NO_VMM
+
+/* Mark this process a holder of VMM allocation id on phys (on), or not any
+ * more (off: the entry goes with its last holder). -1 when the device's
+ * tables are full. */
+static int vmm_hold_locked(int phys, uint64_t id, uint64_t bytes, bool on)
+{
+	struct dev_shared *d = g.dev[phys];
+	int rc = 0;
+	int slot = dev_slot(phys, on);
+	int e, free_e = -1;
+	for (e = 0; e < VMM_ENTRIES && d->vmm[e].id != id; e++)
+		if (!d->vmm[e].id && free_e < 0)
+			free_e = e;
+	if (on && e == VMM_ENTRIES && free_e >= 0) {
+		e = free_e;
+		d->vmm[e].id = id;
+		d->vmm[e].bytes = bytes;
+	}
+	if (slot < 0 || e == VMM_ENTRIES) {
+		rc = on ? -1 : 0;
+	} else if (on) {
+		d->vmm[e].holders[slot / 64] |= 1ull << (slot % 64);
+	} else {
+		d->vmm[e].holders[slot / 64] &= ~(1ull << (slot % 64));
+		bool any = false;
+		for (int w = 0; w < SLOTS / 64; w++)
+			any = any || d->vmm[e].holders[w];
+		if (!any)
+			memset(&d->vmm[e], 0, sizeof(d->vmm[e]));
+	}
+	return rc;
+}
+
+static int vmm_hold(int phys, uint64_t id, uint64_t bytes, bool on)
+{
+	dev_lock(phys, LOCK_EX);
+	int rc = vmm_hold_locked(phys, id, bytes, on);
+	dev_lock(phys, LOCK_UN);
+	return rc;
+}
+
+/* Another handle of this process on the same physical allocation as a. */
+static bool alloc_twin(const struct fake_alloc *a)
+{
+	const struct fake_alloc *o;
+	DL_FOREACH (g.allocs, o) {
+		if (o != a && o->id == a->id)
+			return true;
+	}
+	return false;
+}
+
+/* A live (not released) handle of this process. */
+static struct fake_alloc *alloc_find(CUmemGenericAllocationHandle h)
+{
+	struct fake_alloc *a;
+	DL_FOREACH (g.allocs, a) {
+		if ((CUmemGenericAllocationHandle)(uintptr_t)a == h && !a->released)
+			return a;
+	}
+	return NULL;
+}
+
+/* Free a once released and unmapped: its bytes stay alive while another
+ * process holds a handle, mapping or fd of the memfd. */
+static void alloc_unref(struct fake_alloc *a)
+{
+	if (!a->released || a->maps > 0)
+		return;
+	munmap(a->data, a->size);
+	if (a->fd >= 0)
+		close(a->fd);
+	DL_DELETE(g.allocs, a);
+	if (!alloc_twin(a))
+		vmm_hold(a->phys, a->id, a->size, false);
+	free(a);
+}
+
+static void vmm_unload(void)
+{
+	struct fake_alloc *a, *at;
+	DL_FOREACH_SAFE (g.allocs, a, at) {
+		a->released = true;
+		alloc_unref(a);
+	}
+	struct fake_resv *r, *rt;
+	DL_FOREACH_SAFE (g.resvs, r, rt) {
+		munmap((void *)(uintptr_t)r->base, r->size);
+		DL_DELETE(g.resvs, r);
+		free(r);
+	}
+}
+#endif /* FAKECUDA_NO_VMM */
 
 /* ---- fork and unload ------------------------------------------------------ */
 
@@ -555,6 +740,9 @@ __attribute__((destructor)) static void fake_unload(void)
 		struct fake_map *m, *tmp;
 		DL_FOREACH_SAFE (g.maps, m, tmp)
 			map_drop(m);
+#ifndef FAKECUDA_NO_VMM
+		vmm_unload();
+#endif
 		dev_close_all();
 		g.state = ST_UNINIT;
 	}
@@ -562,6 +750,32 @@ __attribute__((destructor)) static void fake_unload(void)
 }
 
 /* ---- initialization and devices ------------------------------------------- */
+
+/* FAKECUDA_VMM_FD (0: no device exports POSIX fds; 1, the default: every
+ * one) and FAKECUDA_VMM_FD_LACKING (a comma list of physical devices that
+ * do not) into a mask of the devices that do (bit i: device i). */
+static int vmm_fd_parse(uint64_t *mask)
+{
+	const char *s = getenv("FAKECUDA_VMM_FD");
+	if (s && strcmp(s, "0") != 0 && strcmp(s, "1") != 0) {
+		fprintf(stderr, "fakecuda: FAKECUDA_VMM_FD=%s: want 0 or 1\n", s);
+		return -1;
+	}
+	*mask = s && strcmp(s, "0") == 0 ? 0 : ~0ull;
+	const char *p = getenv("FAKECUDA_VMM_FD_LACKING");
+	while (p && *p) {
+		size_t len = strcspn(p, ",");
+		if (!all_digits(p, len) || len > 2 || atoi(p) >= MAX_DEVICES) {
+			fprintf(stderr,
+				"fakecuda: FAKECUDA_VMM_FD_LACKING=%s: want device indices\n",
+				getenv("FAKECUDA_VMM_FD_LACKING"));
+			return -1;
+		}
+		*mask &= ~(1ull << atoi(p));
+		p += len + (p[len] == ',');
+	}
+	return 0;
+}
 
 FAKECUDA_API CUresult cuDriverGetVersion(int *version)
 {
@@ -599,6 +813,10 @@ FAKECUDA_API CUresult cuInit(unsigned int flags)
 	}
 	g.nphys = ndev;
 	g.total = total;
+	if (vmm_fd_parse(&g.vmm_fd) != 0) {
+		rc = CUDA_ERROR_INVALID_VALUE;
+		goto out;
+	}
 	g.nvis = visible_parse(getenv("CUDA_VISIBLE_DEVICES"), g.nphys, g.vis);
 	if (g.nvis == 0) {
 		rc = CUDA_ERROR_NO_DEVICE;
@@ -875,7 +1093,7 @@ FAKECUDA_API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n
 	pthread_rwlock_rdlock(&g.lock);
 	CUresult rc = need_ctx();
 	if (rc == CUDA_SUCCESS && n) {
-		struct fake_map *m = src ? map_find(dst, n) : NULL;
+		struct fake_map *m = src ? map_copy(dst, n, true) : NULL;
 		if (m)
 			memcpy(m->data + (dst - m->dptr), src, n);
 		else
@@ -890,7 +1108,7 @@ FAKECUDA_API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n)
 	pthread_rwlock_rdlock(&g.lock);
 	CUresult rc = need_ctx();
 	if (rc == CUDA_SUCCESS && n) {
-		struct fake_map *m = dst ? map_find(src, n) : NULL;
+		struct fake_map *m = dst ? map_copy(src, n, false) : NULL;
 		if (m)
 			memcpy(dst, m->data + (src - m->dptr), n);
 		else
@@ -905,7 +1123,7 @@ FAKECUDA_API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t
 	pthread_rwlock_rdlock(&g.lock);
 	CUresult rc = need_ctx();
 	if (rc == CUDA_SUCCESS && n) {
-		struct fake_map *m = map_find(dst, n);
+		struct fake_map *m = map_copy(dst, n, true);
 		if (m)
 			memset(m->data + (dst - m->dptr), value, n);
 		else
@@ -1027,6 +1245,420 @@ FAKECUDA_API CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
 	pthread_rwlock_unlock(&g.lock);
 	return rc;
 }
+
+/* ---- virtual memory management (cuMemCreate and its family) ---------------- */
+
+/*
+ * A physical allocation is a memfd named
+ * "fakecuda.<namespace hash>.vmm.<physical device>.<bytes>.<id>", so the
+ * fd that cuMemExportToShareableHandle gives really crosses SCM_RIGHTS, and
+ * import checks by the name that the fd is one of ours. The memory lives
+ * while any fd, handle or mapping of it lives, in any process (the kernel's
+ * count of the memfd). The device accounting counts it once while any
+ * living process of the namespace holds a handle or mapping of it.
+ */
+
+#define VMM_NAME_FMT "%.18svmm.%d.%zu.%016llx"
+
+#ifndef FAKECUDA_NO_VMM
+/* prop as cuMemCreate and cuMemGetAllocationGranularity take it; *phys gets
+ * the device of prop->location.id. */
+static CUresult prop_check(const CUmemAllocationProp *prop, int *phys)
+{
+	if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+	    prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (prop->location.id < 0 || prop->location.id >= g.nvis)
+		return CUDA_ERROR_INVALID_DEVICE;
+	*phys = g.vis[prop->location.id];
+	return CUDA_SUCCESS;
+}
+#endif
+
+FAKECUDA_API CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
+{
+	int phys;
+	pthread_rwlock_rdlock(&g.lock);
+	CUresult rc = dev_check(dev, pi, &phys);
+	if (rc != CUDA_SUCCESS)
+		goto out;
+	switch ((int)attrib) {
+	case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *pi = 1; break;
+#ifndef FAKECUDA_NO_VMM
+	case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *pi = 1; break;
+	case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
+		*pi = (g.vmm_fd >> phys) & 1 ? 1 : 0;
+		break;
+#endif
+	default: /* an attribute the fake (or, without VMM, an old driver) does not know */
+		rc = CUDA_ERROR_INVALID_VALUE;
+	}
+out:
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+#ifndef FAKECUDA_NO_VMM
+FAKECUDA_API CUresult cuMemGetAllocationGranularity(size_t *granularity,
+						    const CUmemAllocationProp *prop,
+						    CUmemAllocationGranularity_flags option)
+{
+	int phys;
+	pthread_rwlock_rdlock(&g.lock);
+	CUresult rc = need_init();
+	if (rc == CUDA_SUCCESS &&
+	    (!granularity || (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
+			      option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
+		rc = CUDA_ERROR_INVALID_VALUE;
+	if (rc == CUDA_SUCCESS)
+		rc = prop_check(prop, &phys);
+	if (rc == CUDA_SUCCESS)
+		*granularity = (size_t)GRANULARITY;
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+FAKECUDA_API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+				  const CUmemAllocationProp *prop, unsigned long long flags)
+{
+	int phys = -1;
+	struct fake_alloc *a = NULL;
+	pthread_rwlock_wrlock(&g.lock);
+	CUresult rc = need_ctx();
+	if (rc == CUDA_SUCCESS && (!handle || flags != 0 || size == 0 || size % GRANULARITY))
+		rc = CUDA_ERROR_INVALID_VALUE;
+	if (rc == CUDA_SUCCESS)
+		rc = prop_check(prop, &phys);
+	if (rc == CUDA_SUCCESS &&
+	    ((prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ||
+	     ((prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) &&
+	      !((g.vmm_fd >> phys) & 1))))
+		rc = CUDA_ERROR_NOT_SUPPORTED;
+	if (rc != CUDA_SUCCESS)
+		goto out;
+	rc = CUDA_ERROR_OUT_OF_MEMORY;
+	if (!(a = calloc(1, sizeof(*a))))
+		goto out;
+	a->fd = -1;
+	do {
+		if (getrandom(&a->id, sizeof(a->id), GRND_NONBLOCK) != (ssize_t)sizeof(a->id))
+			a->id = splitmix64(++g.serial ^ (uint64_t)time(NULL) ^ (uint64_t)getpid());
+	} while (!a->id);
+	char name[96];
+	snprintf(name, sizeof(name), VMM_NAME_FMT, g.prefix + 1, phys, size,
+		 (unsigned long long)a->id);
+	/* Room on the device (every living holder's allocations) and in its
+	 * tables; the entry is ours while the lock is held. */
+	dev_lock(phys, LOCK_EX);
+	bool room = size <= g.total && dev_used(phys, true) <= g.total - size;
+	int fd = room ? memfd_create(name, MFD_CLOEXEC) : -1;
+	a->data = MAP_FAILED;
+	if (fd >= 0 && (ftruncate(fd, (off_t)size) != 0 ||
+			(a->data = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) ==
+				MAP_FAILED ||
+			vmm_hold_locked(phys, a->id, size, true) != 0)) {
+		if (a->data != MAP_FAILED)
+			munmap(a->data, size);
+		close(fd);
+		fd = -1;
+	}
+	dev_lock(phys, LOCK_UN);
+	if (fd < 0)
+		goto out;
+	a->size = size;
+	a->phys = phys;
+	a->created = true;
+	a->exportable = prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	if (a->exportable)
+		a->fd = fd;
+	else
+		close(fd);
+	DL_APPEND(g.allocs, a);
+	*handle = (CUmemGenericAllocationHandle)(uintptr_t)a;
+	a = NULL;
+	rc = CUDA_SUCCESS;
+out:
+	free(a);
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+FAKECUDA_API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+	pthread_rwlock_wrlock(&g.lock);
+	CUresult rc = need_ctx();
+	struct fake_alloc *a = rc == CUDA_SUCCESS ? alloc_find(handle) : NULL;
+	if (rc == CUDA_SUCCESS && !a)
+		rc = CUDA_ERROR_INVALID_VALUE;
+	if (rc == CUDA_SUCCESS) {
+		a->released = true;
+		alloc_unref(a);
+	}
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+/* A new fd per call, the caller's to close. Only for a handle created here
+ * with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested. */
+FAKECUDA_API CUresult cuMemExportToShareableHandle(void *shareableHandle,
+						   CUmemGenericAllocationHandle handle,
+						   CUmemAllocationHandleType handleType,
+						   unsigned long long flags)
+{
+	pthread_rwlock_rdlock(&g.lock);
+	CUresult rc = need_ctx();
+	struct fake_alloc *a = rc == CUDA_SUCCESS ? alloc_find(handle) : NULL;
+	if (rc == CUDA_SUCCESS && (!a || !shareableHandle || flags != 0 ||
+				   handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+		rc = CUDA_ERROR_INVALID_VALUE;
+	if (rc == CUDA_SUCCESS && !a->exportable)
+		rc = VMM_NOT_REQUESTED_RC;
+	if (rc == CUDA_SUCCESS) {
+		int fd = fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
+		if (fd < 0)
+			rc = CUDA_ERROR_OPERATING_SYSTEM;
+		else
+			memcpy(shareableHandle, &fd, sizeof(fd));
+	}
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+/* The fd stays the caller's. It must be a fakecuda memfd of this
+ * namespace, whole. */
+FAKECUDA_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+						     void *osHandle,
+						     CUmemAllocationHandleType shHandleType)
+{
+	struct fake_alloc *a = NULL;
+	pthread_rwlock_wrlock(&g.lock);
+	CUresult rc = need_ctx();
+	if (rc == CUDA_SUCCESS &&
+	    (!handle || shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+		rc = CUDA_ERROR_INVALID_VALUE;
+	if (rc != CUDA_SUCCESS)
+		goto out;
+	rc = VMM_BAD_FD_RC;
+	int fd = (int)(intptr_t)osHandle;
+	char path[64], link[256], want[64];
+	struct stat st;
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+	ssize_t n = fd >= 0 && fstat(fd, &st) == 0 ? readlink(path, link, sizeof(link) - 1) : -1;
+	if (n <= 0)
+		goto out;
+	link[n] = 0;
+	int phys, used = 0;
+	size_t size;
+	unsigned long long id;
+	snprintf(want, sizeof(want), "/memfd:%.18svmm.", g.prefix + 1);
+	if (strncmp(link, want, strlen(want)) != 0 ||
+	    sscanf(link + strlen(want), "%d.%zu.%llx%n", &phys, &size, &id, &used) != 3 ||
+	    (link[strlen(want) + used] && strcmp(link + strlen(want) + used, " (deleted)") != 0) ||
+	    phys < 0 || phys >= g.nphys || !size || size % GRANULARITY || !id ||
+	    st.st_size != (off_t)size)
+		goto out;
+	rc = CUDA_ERROR_OUT_OF_MEMORY;
+	if (!(a = calloc(1, sizeof(*a))))
+		goto out;
+	a->fd = -1;
+	a->id = id;
+	a->size = size;
+	a->phys = phys;
+	a->data = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (a->data == MAP_FAILED)
+		goto out;
+	if (!alloc_twin(a) && vmm_hold(phys, id, size, true) != 0) {
+		munmap(a->data, size);
+		goto out;
+	}
+	DL_APPEND(g.allocs, a);
+	*handle = (CUmemGenericAllocationHandle)(uintptr_t)a;
+	a = NULL;
+	rc = CUDA_SUCCESS;
+out:
+	free(a);
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+FAKECUDA_API CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+					  CUdeviceptr addr, unsigned long long flags)
+{
+	(void)addr; /* a hint; the fake takes whatever the kernel gives */
+	struct fake_resv *r = NULL;
+	pthread_rwlock_wrlock(&g.lock);
+	CUresult rc = need_ctx();
+	if (rc == CUDA_SUCCESS && (!ptr || size == 0 || size % GRANULARITY || flags != 0 ||
+				   (alignment & (alignment - 1))))
+		rc = CUDA_ERROR_INVALID_VALUE;
+	if (rc != CUDA_SUCCESS)
+		goto out;
+	size_t align = alignment > GRANULARITY ? alignment : (size_t)GRANULARITY;
+	rc = CUDA_ERROR_OUT_OF_MEMORY;
+	if (size > SIZE_MAX - align || !(r = calloc(1, sizeof(*r))))
+		goto out;
+	char *p = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+		       -1, 0);
+	if (p == MAP_FAILED)
+		goto out;
+	uintptr_t base = ((uintptr_t)p + align - 1) & ~(uintptr_t)(align - 1);
+	if (base > (uintptr_t)p)
+		munmap(p, base - (uintptr_t)p);
+	if ((uintptr_t)p + size + align > base + size)
+		munmap((void *)(base + size), (uintptr_t)p + size + align - (base + size));
+	r->base = (CUdeviceptr)base;
+	r->size = size;
+	DL_APPEND(g.resvs, r);
+	*ptr = r->base;
+	r = NULL;
+	rc = CUDA_SUCCESS;
+out:
+	free(r);
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+/* The VMM mapping that overlaps [p, p + n), n >= 1, from `from` on. */
+static struct fake_map *vmm_overlap(struct fake_map *from, CUdeviceptr p, size_t n)
+{
+	for (struct fake_map *m = from; m; m = m->next) {
+		if (m->alloc && m->dptr < p + n && p < m->dptr + m->size)
+			return m;
+	}
+	return NULL;
+}
+
+/* The whole of one reservation, with nothing mapped in it. */
+FAKECUDA_API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+	pthread_rwlock_wrlock(&g.lock);
+	CUresult rc = need_ctx();
+	struct fake_resv *r = NULL;
+	if (rc == CUDA_SUCCESS) {
+		DL_FOREACH (g.resvs, r) {
+			if (r->base == ptr && r->size == size)
+				break;
+		}
+		if (!r || vmm_overlap(g.maps, ptr, size))
+			rc = CUDA_ERROR_INVALID_VALUE;
+	}
+	if (rc == CUDA_SUCCESS) {
+		munmap((void *)(uintptr_t)r->base, r->size);
+		DL_DELETE(g.resvs, r);
+		free(r);
+	}
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+/* The whole allocation (offset 0, its size), at a granularity-aligned place
+ * of one reservation where nothing is mapped. No access until
+ * cuMemSetAccess. */
+FAKECUDA_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+			       CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+	pthread_rwlock_wrlock(&g.lock);
+	CUresult rc = need_ctx();
+	struct fake_alloc *a = rc == CUDA_SUCCESS ? alloc_find(handle) : NULL;
+	struct fake_resv *r = NULL;
+	if (rc == CUDA_SUCCESS && a && size == a->size && offset == 0 && flags == 0) {
+		DL_FOREACH (g.resvs, r) {
+			if (ptr >= r->base && ptr - r->base <= r->size &&
+			    size <= r->size - (ptr - r->base))
+				break;
+		}
+	}
+	if (rc == CUDA_SUCCESS &&
+	    (!r || (ptr - r->base) % GRANULARITY || vmm_overlap(g.maps, ptr, size)))
+		rc = CUDA_ERROR_INVALID_VALUE;
+	struct fake_map *m = rc == CUDA_SUCCESS ? calloc(1, sizeof(*m)) : NULL;
+	if (rc == CUDA_SUCCESS && !m)
+		rc = CUDA_ERROR_OUT_OF_MEMORY;
+	if (rc == CUDA_SUCCESS) {
+		m->dptr = ptr;
+		m->data = a->data;
+		m->size = m->maplen = size;
+		m->phys = a->phys;
+		m->alloc = a;
+		a->maps++;
+		DL_APPEND(g.maps, m);
+	}
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+/* Whole mappings only: [ptr, ptr + size) must hold at least one and cut
+ * none. */
+FAKECUDA_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+	pthread_rwlock_wrlock(&g.lock);
+	CUresult rc = need_ctx();
+	if (rc == CUDA_SUCCESS &&
+	    (size == 0 || ptr + size < ptr || !vmm_overlap(g.maps, ptr, size)))
+		rc = CUDA_ERROR_INVALID_VALUE;
+	for (struct fake_map *m = rc == CUDA_SUCCESS ? vmm_overlap(g.maps, ptr, size) : NULL; m;
+	     m = vmm_overlap(m->next, ptr, size)) {
+		if (m->dptr < ptr || m->dptr + m->size > ptr + size)
+			rc = CUDA_ERROR_INVALID_VALUE;
+	}
+	if (rc == CUDA_SUCCESS) {
+		struct fake_map *m, *tmp;
+		DL_FOREACH_SAFE (g.maps, m, tmp) {
+			if (m->alloc && m->dptr >= ptr && m->dptr + m->size <= ptr + size)
+				map_drop(m);
+		}
+	}
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+
+/* [ptr, ptr + size) must be whole mappings, with no gap. Each descriptor
+ * sets one device's access (none, read, read-write). */
+FAKECUDA_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+				     size_t count)
+{
+	pthread_rwlock_wrlock(&g.lock);
+	CUresult rc = need_ctx();
+	if (rc == CUDA_SUCCESS && (!desc || count == 0 || size == 0 || ptr + size < ptr))
+		rc = CUDA_ERROR_INVALID_VALUE;
+	for (size_t i = 0; rc == CUDA_SUCCESS && i < count; i++) {
+		if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+		    (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE &&
+		     desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+		     desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+			rc = CUDA_ERROR_INVALID_VALUE;
+		else if (desc[i].location.id < 0 || desc[i].location.id >= g.nvis)
+			rc = CUDA_ERROR_INVALID_DEVICE;
+	}
+	size_t covered = 0;
+	for (struct fake_map *m = rc == CUDA_SUCCESS ? vmm_overlap(g.maps, ptr, size) : NULL; m;
+	     m = vmm_overlap(m->next, ptr, size)) {
+		if (m->dptr < ptr || m->dptr + m->size > ptr + size)
+			rc = CUDA_ERROR_INVALID_VALUE;
+		covered += m->size;
+	}
+	if (rc == CUDA_SUCCESS && covered != size)
+		rc = CUDA_ERROR_INVALID_VALUE;
+	if (rc == CUDA_SUCCESS) {
+		struct fake_map *m;
+		DL_FOREACH (g.maps, m) {
+			if (!m->alloc || m->dptr < ptr || m->dptr + m->size > ptr + size)
+				continue;
+			for (size_t i = 0; i < count; i++) {
+				uint64_t bit = 1ull << g.vis[desc[i].location.id];
+				m->rdev = desc[i].flags & CU_MEM_ACCESS_FLAGS_PROT_READ
+						  ? m->rdev | bit
+						  : m->rdev & ~bit;
+				m->wdev = desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+						  ? m->wdev | bit
+						  : m->wdev & ~bit;
+			}
+		}
+	}
+	pthread_rwlock_unlock(&g.lock);
+	return rc;
+}
+#endif /* FAKECUDA_NO_VMM */
 
 /* ---- errors ----------------------------------------------------------------- */
 

@@ -26,7 +26,9 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <poll.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1120,5 +1122,200 @@ Test(fakecuda, unloading_frees_what_the_process_allocated)
 	load(&api);
 	current(&api, 0);
 	cr_assert_eq(free_now(&api), 32 * MiB);
+	bb_cuda_unload(&api);
+}
+
+/* ---- virtual memory management (cuMemCreate and its family) ---------------- */
+
+#define GRAN (2 * MiB)
+
+/* Send or receive one fd (SCM_RIGHTS) with one byte. 0 or -1. */
+static int send_fd(int sock, int fd)
+{
+	char byte = 'f';
+	struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} u;
+	memset(&u, 0, sizeof(u));
+	struct msghdr msg = {.msg_iov = &iov,
+			     .msg_iovlen = 1,
+			     .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf)};
+	struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(c), &fd, sizeof(int));
+	return sendmsg(sock, &msg, MSG_NOSIGNAL) == 1 ? 0 : -1;
+}
+
+static int recv_fd(int sock, int timeout_ms)
+{
+	struct pollfd pfd = {.fd = sock, .events = POLLIN};
+	if (poll(&pfd, 1, timeout_ms) != 1)
+		return -1;
+	char byte;
+	struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} u;
+	struct msghdr msg = {.msg_iov = &iov,
+			     .msg_iovlen = 1,
+			     .msg_control = u.buf,
+			     .msg_controllen = sizeof(u.buf)};
+	if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) != 1)
+		return -1;
+	struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+	if (!c || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+		return -1;
+	int fd;
+	memcpy(&fd, CMSG_DATA(c), sizeof(int));
+	return fd;
+}
+
+/* Pinned device memory on ordinal, with the POSIX fd type when exportable. */
+static CUmemAllocationProp vmm_prop(int ordinal, bool exportable)
+{
+	CUmemAllocationProp prop;
+	memset(&prop, 0, sizeof(prop));
+	prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop.requestedHandleTypes =
+		exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+	prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	prop.location.id = ordinal;
+	return prop;
+}
+
+/* Reserve size bytes, map h there and let ordinal read and write it; the
+ * mapped address, or 0 with *rc the failing call's code. */
+static CUdeviceptr vmm_map(const bb_cuda *api, CUmemGenericAllocationHandle h, size_t size,
+			   int ordinal, CUresult *rc)
+{
+	CUdeviceptr p = 0;
+	CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = ordinal},
+			       .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	*rc = api->MemAddressReserve(&p, size, 0, 0, 0);
+	if (*rc != CUDA_SUCCESS)
+		return 0;
+	*rc = api->MemMap(p, size, 0, h, 0);
+	if (*rc == CUDA_SUCCESS)
+		*rc = api->MemSetAccess(p, size, &acc, 1);
+	if (*rc == CUDA_SUCCESS)
+		return p;
+	api->MemUnmap(p, size);
+	api->MemAddressFree(p, size);
+	return 0;
+}
+
+static CUresult vmm_unmap(const bb_cuda *api, CUdeviceptr p, size_t size)
+{
+	CUresult rc = api->MemUnmap(p, size);
+	CUresult rc2 = api->MemAddressFree(p, size);
+	return rc != CUDA_SUCCESS ? rc : rc2;
+}
+
+struct vmm_peer {
+	int ordinal;  /* device made current and given access */
+	size_t size;  /* of the allocation */
+	bool keep_fd; /* keep the received fd open until told (else close it at once) */
+	bbt_chan ch;
+};
+
+/* Receives the fd, imports, maps; finds seed 1, writes seed 2 in the first
+ * half; tells the test ('w'), and when told ('u') unmaps and releases. */
+static int vmm_importer_child(void *arg)
+{
+	struct vmm_peer *x = arg;
+	bb_cuda api;
+	CUmemGenericAllocationHandle h;
+	CUresult rc;
+	char *buf = malloc(x->size);
+	int fd = recv_fd(x->ch.fd[1], 30000);
+	STEP(1, buf && fd >= 0);
+	STEP(2, child_load(&api) == 0);
+	STEP(3, make_current(&api, x->ordinal, NULL) == CUDA_SUCCESS);
+	STEP(4, api.MemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
+						 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ==
+			CUDA_SUCCESS);
+	if (!x->keep_fd)
+		STEP(5, close(fd) == 0);
+	CUdeviceptr p = vmm_map(&api, h, x->size, x->ordinal, &rc);
+	STEP(6, p != 0);
+	STEP(7, api.MemcpyDtoH(buf, p, x->size) == CUDA_SUCCESS);
+	STEP(8, bbt_check(buf, x->size, 1));
+	bbt_fill(buf, x->size / 2, 2);
+	STEP(9, api.MemcpyHtoD(p, buf, x->size / 2) == CUDA_SUCCESS);
+	STEP(10, bbt_send(x->ch.fd[1], "w", 1) == 0);
+	char cmd;
+	STEP(11, bbt_recv(x->ch.fd[1], &cmd, 1, 30000) == 0 && cmd == 'u');
+	STEP(12, vmm_unmap(&api, p, x->size) == CUDA_SUCCESS);
+	STEP(13, api.MemRelease(h) == CUDA_SUCCESS);
+	if (x->keep_fd)
+		STEP(14, close(fd) == 0);
+	STEP(15, bbt_send(x->ch.fd[1], "d", 1) == 0);
+	STEP(16, bbt_recv(x->ch.fd[1], &cmd, 1, 30000) == 0 && cmd == 'x');
+	free(buf);
+	bb_cuda_unload(&api);
+	return 0;
+}
+
+static void child_says(struct vmm_peer *x, pid_t pid, char want)
+{
+	char got = 0;
+	if (bbt_recv(x->ch.fd[0], &got, 1, CHILD_TIMEOUT_MS) != 0 || got != want) {
+		int rc = bbt_join(pid, 1000);
+		cr_assert_fail("importer did not say '%c'; it failed at step %d", want, rc);
+	}
+}
+
+Test(fakecuda, vmm_fd_crosses_scm_rights_and_maps_the_same_bytes)
+{
+	struct vmm_peer im = {.ordinal = 0, .size = 2 * GRAN};
+	bbt_chan_open(&im.ch);
+	pid_t pid = bbt_spawn(vmm_importer_child, &im);
+	bb_cuda api;
+	load(&api);
+	char why[256];
+	cr_assert(bb_cuda_has_vmm(&api, why, sizeof(why)), "%s", why);
+	current(&api, 1);
+	CUmemAllocationProp prop = vmm_prop(1, true);
+	size_t gran = 0;
+	CU_OK(&api,
+	      api.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+	cr_assert_eq(gran, GRAN);
+	CUmemGenericAllocationHandle h;
+	CU_OK(&api, api.MemCreate(&h, im.size, &prop, 0));
+	int fd = -1;
+	CU_OK(&api,
+	      api.MemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+	cr_assert_geq(fd, 0);
+	CUresult rc;
+	CUdeviceptr p = vmm_map(&api, h, im.size, 1, &rc);
+	cr_assert_neq(p, 0, "map: %s", cuerr(&api, rc));
+	cr_assert_eq(p % GRAN, 0, "reservations are aligned to the granularity");
+	char *buf = malloc(im.size);
+	bbt_fill(buf, im.size, 1);
+	CU_OK(&api, api.MemcpyHtoD(p, buf, im.size));
+	cr_assert_eq(send_fd(im.ch.fd[0], fd), 0);
+	cr_assert_eq(close(fd), 0);
+	child_says(&im, pid, 'w');
+	memset(buf, 0, im.size);
+	CU_OK(&api, api.MemcpyDtoH(buf, p, im.size));
+	cr_assert(bbt_check(buf, im.size / 2, 2), "the importer's bytes");
+	char *want = malloc(im.size);
+	bbt_fill(want, im.size, 1);
+	cr_assert(memcmp(buf + im.size / 2, want + im.size / 2, im.size / 2) == 0);
+	cr_assert_eq(bbt_send(im.ch.fd[0], "u", 1), 0);
+	child_says(&im, pid, 'd');
+	cr_assert_eq(bbt_send(im.ch.fd[0], "x", 1), 0);
+	cr_assert_eq(bbt_join(pid, CHILD_TIMEOUT_MS), 0);
+	CU_OK(&api, vmm_unmap(&api, p, im.size));
+	CU_OK(&api, api.MemRelease(h));
+	free(buf);
+	free(want);
+	bbt_chan_close(&im.ch);
 	bb_cuda_unload(&api);
 }

@@ -91,7 +91,8 @@ static backend_mem alloc_mem(uint32_t uid, uint64_t size)
 {
 	backend_mem m;
 	memset(&m, 0, sizeof(m));
-	int rc = be->alloc(be, size, 0, uid, BB_SHARE_UID, &m, err, sizeof(err));
+	int rc = be->alloc(be, size, 0, uid, BB_SHARE_UID, &(int){BB_CUDA_HANDLE_DEFAULT}, &m, err,
+			   sizeof(err));
 	cr_assert_eq(rc, 0, "alloc of %llu bytes: %s", (unsigned long long)size, err);
 	cr_assert_geq(m.fd, 0);
 	cr_assert_eq(m.size, size, "the buffer's size is what was asked for");

@@ -47,13 +47,14 @@ typedef struct counting_backend {
 	int fail_code;       /* non-zero: the next alloc/import fails with it */
 } counting_backend;
 
-static int cb_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
+static int cb_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		    backend_mem *out, char *err, size_t errlen)
 {
 	counting_backend *cb = be->ctx;
 	(void)device;
 	(void)uid;
 	(void)share;
+	(void)handle;
 	cb->allocs++;
 	if (cb->fail_code) {
 		int code = cb->fail_code;

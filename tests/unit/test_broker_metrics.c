@@ -17,10 +17,10 @@
 #define UID_A 1000
 #define UID_B 2000
 
-static int heap_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share,
+static int heap_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		      backend_mem *out, char *err, size_t errlen)
 {
-	(void)be, (void)device, (void)uid, (void)share, (void)err, (void)errlen;
+	(void)be, (void)device, (void)uid, (void)share, (void)handle, (void)err, (void)errlen;
 	out->fd = -1;
 	out->size = size;
 	out->priv = malloc(1);

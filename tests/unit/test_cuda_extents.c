@@ -140,8 +140,8 @@ static backend_mem alloc_mem(uint64_t size)
 	backend_mem m;
 	int rc;
 	memset(&m, 0, sizeof(m));
-	while ((rc = be->alloc(be, size, 0, UID, BB_SHARE_UID, &m, err, sizeof(err))) ==
-	       BACKEND_GROW)
+	while ((rc = be->alloc(be, size, 0, UID, BB_SHARE_UID, &(int){BB_CUDA_HANDLE_DEFAULT}, &m,
+			       err, sizeof(err))) == BACKEND_GROW)
 		cr_assert(run_one(), "alloc waits for a grow but no job is queued");
 	cr_assert_eq(rc, 0, "alloc of %llu bytes: %s", (unsigned long long)size, err);
 	cr_assert_not_null(m.priv);

@@ -1,0 +1,340 @@
+/*
+ * The CUDA backend's VMM slabs and the choice of a buffer's handle kind
+ * (daemon/backend_cuda.h): a VMM slab is a cuMemCreate allocation whose
+ * POSIX fd the backend exports once and keeps, carved by the same extents
+ * as a legacy slab but never shared with one; freeing it closes the fd and
+ * releases the allocation; their number is bounded (each is an fd); DEFAULT
+ * is the configured kind, AUTO follows the device, and a kind that cannot
+ * be had is refused with why, never replaced by the other.
+ *
+ * The backend runs on tests/fakecuda's driver ($BB_FAKECUDA, else the
+ * libfakecuda.so built next to this binary), whose VMM allocations are
+ * memfds: the fd the backend keeps is a real file descriptor. Jobs run when
+ * the test says, as in test_cuda_extents.c.
+ */
+#include <criterion/criterion.h>
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../../daemon/backend_cuda.c"
+#include "../../daemon/log.c"
+
+#define UID 1000
+#define MiB (1024ull * 1024)
+
+static backend *be;
+static char lib[PATH_MAX];
+static char err[256];
+
+/* ---- the driver and the backend ------------------------------------------------ */
+
+static void find_fake(void)
+{
+	const char *env = getenv("BB_FAKECUDA");
+	if (env && env[0]) {
+		snprintf(lib, sizeof(lib), "%s", env);
+		return;
+	}
+	char exe[PATH_MAX];
+	ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+	cr_assert_gt(n, 0, "cannot read /proc/self/exe");
+	exe[n] = '\0';
+	snprintf(lib, sizeof(lib), "%s/libfakecuda.so", dirname(exe));
+	cr_assert_eq(access(lib, R_OK), 0, "%s: build the fakecuda target or set BB_FAKECUDA", lib);
+}
+
+static void setup(void)
+{
+	char ns[64];
+	find_fake();
+	snprintf(ns, sizeof(ns), "bbtest-cuda-vmm-%d", (int)getpid());
+	setenv("BUFBROKER_CUDA_LIBRARY", lib, 1);
+	setenv("FAKECUDA_NAMESPACE", ns, 1);
+	setenv("FAKECUDA_DEVICES", "1", 1);
+	setenv("FAKECUDA_MEMORY", "64M", 1);
+	unsetenv("FAKECUDA_VMM_FD");
+	unsetenv("CUDA_VISIBLE_DEVICES");
+}
+
+static backend_job *queue[64];
+static int queued;
+
+static void queue_job(backend *b, backend_job *job)
+{
+	(void)b;
+	cr_assert_lt(queued, 64, "jobs pile up");
+	queue[queued++] = job;
+}
+
+static bool run_one(void)
+{
+	if (!queued)
+		return false;
+	backend_job *job = queue[0];
+	queued--;
+	memmove(queue, queue + 1, (size_t)queued * sizeof(queue[0]));
+	job->work(job);
+	job->done(job);
+	return true;
+}
+
+static void drain(void)
+{
+	while (run_one())
+		;
+}
+
+/* A backend with 8 MiB slabs, no cache, and the given handle policy. */
+static void start_with(int handle_default, int handle_forbid, uint64_t vmm_allocations)
+{
+	backend_cuda_config cfg;
+	backend_cuda_config_default(&cfg);
+	cfg.slab_bytes = 8 * MiB;
+	cfg.cache_bytes = 0;
+	cfg.handle_default = handle_default;
+	cfg.handle_forbid = handle_forbid;
+	cfg.vmm_allocations = vmm_allocations;
+	be = backend_cuda_new(&cfg, err, sizeof(err));
+	cr_assert_not_null(be, "backend_cuda_new: %s", err);
+	be->submit = queue_job;
+}
+
+static void start(void)
+{
+	start_with(BB_CUDA_HANDLE_LEGACY, 0, BACKEND_CUDA_VMM_ALLOCATIONS_DEFAULT);
+}
+
+static void teardown(void)
+{
+	if (be) {
+		drain();
+		be->destroy(be);
+		be = NULL;
+	}
+	void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+	if (h) {
+		void (*reset)(void) = (void (*)(void))dlsym(h, "fakecuda_reset_namespace");
+		if (reset)
+			reset();
+		dlclose(h);
+	}
+}
+
+TestSuite(cuda_vmm, .init = setup, .fini = teardown);
+
+static cuda_backend *cub(void)
+{
+	return be->ctx;
+}
+
+/* Alloc size bytes asking for handle, running jobs while the backend
+ * grows: the code, with *got the kind given. */
+static int try_alloc(uint64_t size, int handle, int *got, backend_mem *m)
+{
+	int rc;
+	*got = handle;
+	memset(m, 0, sizeof(*m));
+	while ((rc = be->alloc(be, size, 0, UID, BB_SHARE_UID, got, m, err, sizeof(err))) ==
+	       BACKEND_GROW)
+		cr_assert(run_one(), "alloc waits for a grow but no job is queued");
+	return rc;
+}
+
+static backend_mem alloc_kind(uint64_t size, int handle, int want)
+{
+	backend_mem m;
+	int got;
+	int rc = try_alloc(size, handle, &got, &m);
+	cr_assert_eq(rc, 0, "alloc of %llu bytes: %s", (unsigned long long)size, err);
+	cr_assert_eq(got, want, "asked %d, got handle kind %d", handle, got);
+	return m;
+}
+
+static slab *slab_of(const backend_mem *m)
+{
+	return ((const extent *)m->priv)->slab;
+}
+
+static bool fd_open(int fd)
+{
+	return fd >= 0 && fcntl(fd, F_GETFD) >= 0;
+}
+
+/* ---- VMM slabs ---------------------------------------------------------------------- */
+
+Test(cuda_vmm, a_vmm_buffer_lies_in_a_slab_whose_fd_is_exported_once)
+{
+	start();
+	backend_mem a = alloc_kind(4096, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	backend_mem b = alloc_kind(4096, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	slab *s = slab_of(&a);
+	cr_assert_eq(slab_of(&b), s, "the second buffer is carved from the same slab");
+	cr_assert(fd_open(s->fd), "the slab keeps its exported fd");
+	struct stat st;
+	cr_assert_eq(fstat(s->fd, &st), 0);
+	cr_assert_eq(s->size, 8 * MiB);
+	cr_assert_eq(s->size % cub()->devs[0].vmm_unit, 0);
+
+	backend_export ex;
+	memset(&ex, 0, sizeof(ex));
+	cr_assert_eq(be->export_mem(be, &b, &ex, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(ex.cuda_handle, BB_CUDA_HANDLE_VMM);
+	cr_assert_eq(ex.fd, s->fd);
+	cr_assert_eq(ex.has_ipc, 0);
+	cr_assert_eq(ex.allocation, s->allocation);
+	cr_assert_eq(ex.allocation_size, s->size);
+	cr_assert_eq(ex.offset, BACKEND_CUDA_ALIGN * 16, "4096 bytes after the first buffer");
+	cr_assert_eq(be->fd_allocation(be, &b), s->allocation);
+	cr_assert_eq(cub()->vmm_allocations, 1);
+
+	memset(&ex, 0, sizeof(ex));
+	cr_assert_eq(be->export_allocation(be, s->allocation, &ex, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(ex.fd, s->fd);
+	cr_assert_eq(ex.allocation_size, s->size);
+	be->free(be, &a);
+	be->free(be, &b);
+}
+
+Test(cuda_vmm, vmm_and_legacy_buffers_never_share_a_slab)
+{
+	start();
+	backend_mem l = alloc_kind(4096, BB_CUDA_HANDLE_LEGACY, BB_CUDA_HANDLE_LEGACY);
+	backend_mem v = alloc_kind(4096, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	cr_assert_neq(slab_of(&l), slab_of(&v));
+	cr_assert_eq(slab_of(&l)->fd, -1);
+	cr_assert_eq(be->fd_allocation(be, &l), 0, "a legacy buffer's grant carries no fd");
+	backend_export ex;
+	memset(&ex, 0, sizeof(ex));
+	cr_assert_eq(be->export_mem(be, &l, &ex, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(ex.cuda_handle, BB_CUDA_HANDLE_LEGACY);
+	cr_assert_eq(ex.has_ipc, 1);
+	cr_assert_eq(ex.fd, -1);
+	be->free(be, &l);
+	be->free(be, &v);
+}
+
+Test(cuda_vmm, freeing_the_last_buffer_closes_the_fd_and_releases_the_slab)
+{
+	start();
+	backend_mem m = alloc_kind(12 * MiB, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	slab *s = slab_of(&m);
+	int fd = s->fd;
+	uint64_t allocation = s->allocation;
+	cr_assert(s->dedicated);
+	cr_assert_eq(s->size, 12 * MiB, "a dedicated slab is whole granules");
+	drain();
+	cr_assert_eq(cub()->devs[0].reserved, 12 * MiB);
+	be->free(be, &m);
+	drain();
+	cr_assert(!fd_open(fd), "the slab's fd is closed");
+	cr_assert_eq(cub()->devs[0].reserved, 0);
+	cr_assert_eq(cub()->vmm_allocations, 0);
+	cr_assert_eq(cub()->devs[0].vmm_allocations, 0);
+	backend_export ex;
+	cr_assert_eq(be->export_allocation(be, allocation, &ex, err, sizeof(err)),
+		     BB_ERR_NOT_FOUND);
+}
+
+Test(cuda_vmm, vmm_allocations_are_bounded_and_cached_ones_make_room)
+{
+	start_with(BB_CUDA_HANDLE_LEGACY, 0, 1);
+	backend_mem a = alloc_kind(12 * MiB, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	backend_mem b;
+	int got;
+	cr_assert_eq(try_alloc(12 * MiB, BB_CUDA_HANDLE_VMM, &got, &b), BB_ERR_NO_MEMORY);
+	cr_assert(strstr(err, "would hold 2 VMM CUDA allocations") &&
+			  strstr(err, "the limit is 1 (--max-cuda-vmm-allocations)"),
+		  "%s", err);
+	/* Legacy buffers need no fd: not bounded by it. */
+	backend_mem l = alloc_kind(4096, BB_CUDA_HANDLE_LEGACY, BB_CUDA_HANDLE_LEGACY);
+	be->free(be, &l);
+	be->free(be, &a);
+	drain();
+	b = alloc_kind(12 * MiB, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	be->free(be, &b);
+}
+
+/* ---- the handle kind ------------------------------------------------------------------ */
+
+Test(cuda_vmm, default_is_the_configured_kind)
+{
+	start();
+	backend_mem m = alloc_kind(4096, BB_CUDA_HANDLE_DEFAULT, BB_CUDA_HANDLE_LEGACY);
+	be->free(be, &m);
+	be->destroy(be);
+	be = NULL;
+	start_with(BB_CUDA_HANDLE_VMM, 0, 16);
+	m = alloc_kind(4096, BB_CUDA_HANDLE_DEFAULT, BB_CUDA_HANDLE_VMM);
+	be->free(be, &m);
+}
+
+Test(cuda_vmm, auto_is_vmm_where_the_device_exports_fds)
+{
+	start();
+	cr_assert(cub()->devs[0].vmm, "%s", cub()->devs[0].vmm_why);
+	backend_mem m = alloc_kind(4096, BB_CUDA_HANDLE_AUTO, BB_CUDA_HANDLE_VMM);
+	be->free(be, &m);
+}
+
+Test(cuda_vmm, auto_is_legacy_where_vmm_is_forbidden)
+{
+	start_with(BB_CUDA_HANDLE_LEGACY, BB_CUDA_HANDLE_VMM, 16);
+	backend_mem m = alloc_kind(4096, BB_CUDA_HANDLE_AUTO, BB_CUDA_HANDLE_LEGACY);
+	be->free(be, &m);
+	int got;
+	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_VMM, &got, &m), BB_ERR_UNSUPPORTED);
+	cr_assert(strstr(err, "forbidden by the operator") && strstr(err, "cuda-forbid = vmm"),
+		  "%s", err);
+}
+
+Test(cuda_vmm, legacy_forbidden_is_refused_never_replaced)
+{
+	start_with(BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_LEGACY, 16);
+	backend_mem m;
+	int got;
+	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_LEGACY, &got, &m), BB_ERR_UNSUPPORTED);
+	cr_assert(strstr(err, "cuda-forbid = legacy"), "%s", err);
+	m = alloc_kind(4096, BB_CUDA_HANDLE_AUTO, BB_CUDA_HANDLE_VMM);
+	be->free(be, &m);
+}
+
+Test(cuda_vmm, a_device_that_cannot_export_fds_refuses_vmm_and_auto_is_legacy)
+{
+	setenv("FAKECUDA_VMM_FD", "0", 1);
+	start();
+	cr_assert(!cub()->devs[0].vmm);
+	backend_mem m;
+	int got;
+	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_VMM, &got, &m), BB_ERR_UNSUPPORTED);
+	cr_assert(strstr(err, "device 0 cannot export allocations as file descriptors") &&
+			  strstr(err, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_"
+				      "SUPPORTED"),
+		  "%s", err);
+	m = alloc_kind(4096, BB_CUDA_HANDLE_AUTO, BB_CUDA_HANDLE_LEGACY);
+	be->free(be, &m);
+	backend_device d;
+	cr_assert_eq(be->devices(be, &d, 1), 1);
+	cr_assert_eq(d.vmm, 0);
+	cr_assert(strstr(d.vmm_why, "cannot export allocations"), "%s", d.vmm_why);
+}
+
+Test(cuda_vmm, a_policy_whose_default_is_forbidden_is_refused)
+{
+	backend_cuda_config cfg;
+	char why[128];
+	backend_cuda_config_default(&cfg);
+	cr_assert_eq(backend_cuda_handles_check(&cfg, why, sizeof(why)), 0, "%s", why);
+	cfg.handle_forbid = BB_CUDA_HANDLE_LEGACY;
+	cr_assert_eq(backend_cuda_handles_check(&cfg, why, sizeof(why)), -1);
+	cr_assert_str_eq(why, "cuda-handle = legacy is forbidden by cuda-forbid = legacy");
+	cfg.handle_default = BB_CUDA_HANDLE_AUTO;
+	cr_assert_eq(backend_cuda_handles_check(&cfg, why, sizeof(why)), 0, "%s", why);
+}
