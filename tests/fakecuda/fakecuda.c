@@ -72,7 +72,7 @@ enum {
 #define DEFAULT_DEVICES 2
 #define DEFAULT_MEMORY (1ull << 30)
 #define CTX_MAGIC 0x46434358u    /* "FCCX" */
-#define NAME_LEN 44              /* shm name in a handle, NUL included */
+#define NAME_LEN 48              /* shm name of an allocation, NUL included */
 #define GRANULARITY (2ull << 20) /* VMM: minimum and recommended, as real devices */
 /* cuMemExportToShareableHandle of a handle created without the type, and
  * cuMemImportFromShareableHandle of an fd that is not a fakecuda memfd of
@@ -131,13 +131,19 @@ struct fake_map {
 	struct fake_map *prev, *next;
 };
 
-/* The 64 bytes of a CUipcMemHandle. */
+/* The 64 bytes of a CUipcMemHandle. The exporter is known by its slot and
+ * token, not its pid, which another PID namespace cannot see. */
 struct fake_handle {
 	char magic[4];
-	uint32_t pid;        /* the exporting process */
-	uint64_t size;       /* bytes of the allocation */
-	uint32_t phys;       /* its physical device */
-	char name[NAME_LEN]; /* its shm object */
+	uint32_t token;  /* the exporting process's token */
+	uint64_t size;   /* bytes of the allocation */
+	uint32_t phys;   /* its physical device */
+	uint32_t slot;   /* the exporter's accounting slot on phys */
+	uint64_t rnd;    /* the allocation's part of the shm name */
+	uint32_t nshash; /* the namespace's hash: with token and rnd, the name */
+	uint32_t pad;
+	uint64_t pidns; /* the exporter's PID namespace (inode of /proc/self/ns/pid), 0: unknown */
+	char reserved[16];
 };
 _Static_assert(sizeof(struct fake_handle) == CU_IPC_HANDLE_SIZE, "handle layout");
 _Static_assert(sizeof(CUipcMemHandle) == CU_IPC_HANDLE_SIZE, "handle size");
@@ -146,8 +152,8 @@ _Static_assert(sizeof(CUipcMemHandle) == CU_IPC_HANDLE_SIZE, "handle size");
  * flock() on the object's fd (the kernel drops it when a holder dies). */
 struct dev_shared {
 	struct {
-		int32_t pid; /* 0: a free slot */
-		uint32_t pad;
+		int32_t pid;    /* 0: a free slot; else its holder's pid, as it sees it */
+		uint32_t token; /* its holder's token: the shm names of its allocations */
 		uint64_t bytes; /* what pid holds on the device (cuMemAlloc) */
 	} slot[SLOTS];
 	/* VMM allocations: each counts once while any living process holds a
@@ -176,6 +182,10 @@ static struct {
 	struct fake_alloc *allocs;  /* VMM allocation handles */
 	struct fake_resv *resvs;    /* VMM address reservations */
 	uint64_t vmm_fd;            /* physical devices with POSIX-fd export (bit i) */
+	int myslot[MAX_DEVICES];    /* this process's accounting slot per device, or -1 */
+	uint32_t token;             /* this process's token: names its shm objects */
+	uint64_t pidns;             /* inode of /proc/self/ns/pid, 0: unknown */
+	bool strict_ns;             /* FAKECUDA_LEGACY_IPC_NAMESPACE=strict */
 	uint64_t serial;            /* mixed into shm names */
 	atomic_ulong opens, closes; /* successful cuIpcOpen/CloseMemHandle */
 } g = {.lock = PTHREAD_RWLOCK_INITIALIZER};
@@ -349,26 +359,6 @@ static int visible_parse(const char *env, int nphys, int vis[MAX_DEVICES])
 	}
 }
 
-/* A process that has freed its memory: gone, or a zombie (the driver frees a
- * process's memory at exit, before its parent reaps it). */
-static bool pid_alive(pid_t pid)
-{
-	if (kill(pid, 0) != 0 && errno == ESRCH)
-		return false;
-	char path[64], buf[512];
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return true;
-	ssize_t n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return true;
-	buf[n] = 0;
-	const char *rp = strrchr(buf, ')');
-	return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
-}
-
 /* shm_unlink every object whose name (without '/') starts with start. */
 static void unlink_matching(const char *start)
 {
@@ -395,6 +385,41 @@ static void dev_lock(int phys, int op)
 		;
 }
 
+/*
+ * A slot's liveness: its holder keeps a read lock (an OFD lock, owned by its
+ * open file of the device's object) on byte SLOT_LOCK + i of that object. The
+ * kernel drops it when the process exits (a zombie holds no files), and
+ * any process sees it, whatever PID namespace either is in.
+ */
+#define SLOT_LOCK ((off_t)sizeof(struct dev_shared))
+
+static bool slot_alive(int phys, int i)
+{
+	if (!g.dev[phys]->slot[i].pid)
+		return false;
+	if (i == g.myslot[phys])
+		return true; /* our own lock conflicts with nothing of ours */
+	struct flock fl = {
+		.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = SLOT_LOCK + i, .l_len = 1};
+	if (fcntl(g.devfd[phys], F_OFD_GETLK, &fl) != 0)
+		return true; /* cannot tell: keep its memory */
+	return fl.l_type != F_UNLCK;
+}
+
+/* Empty a dead process's slot: unlink its objects, forget its bytes. */
+static void slot_reclaim(int phys, int i)
+{
+	struct dev_shared *d = g.dev[phys];
+	char start[64];
+	snprintf(start, sizeof(start), "%.18s%08x.", g.prefix + 1, (unsigned)d->slot[i].token);
+	unlink_matching(start);
+	d->slot[i].pid = 0;
+	d->slot[i].token = 0;
+	d->slot[i].bytes = 0;
+	for (int e = 0; e < VMM_ENTRIES; e++)
+		d->vmm[e].holders[i / 64] &= ~(1ull << (i % 64));
+}
+
 /* Bytes that living processes hold on the device. With reclaim (exclusive
  * flock), dead processes' slots are emptied and their objects unlinked. */
 static uint64_t dev_used(int phys, bool reclaim)
@@ -402,20 +427,12 @@ static uint64_t dev_used(int phys, bool reclaim)
 	struct dev_shared *d = g.dev[phys];
 	uint64_t used = 0;
 	for (int i = 0; i < SLOTS; i++) {
-		pid_t pid = d->slot[i].pid;
-		if (!pid)
+		if (!d->slot[i].pid)
 			continue;
-		if (pid_alive(pid)) {
+		if (slot_alive(phys, i))
 			used += d->slot[i].bytes;
-		} else if (reclaim) {
-			char start[64];
-			snprintf(start, sizeof(start), "%.18s%u.", g.prefix + 1, (unsigned)pid);
-			unlink_matching(start);
-			d->slot[i].pid = 0;
-			d->slot[i].bytes = 0;
-			for (int e = 0; e < VMM_ENTRIES; e++)
-				d->vmm[e].holders[i / 64] &= ~(1ull << (i % 64));
-		}
+		else if (reclaim)
+			slot_reclaim(phys, i);
 	}
 	for (int e = 0; e < VMM_ENTRIES; e++) {
 		if (!d->vmm[e].id)
@@ -423,8 +440,7 @@ static uint64_t dev_used(int phys, bool reclaim)
 		bool held = false;
 		for (int w = 0; w < SLOTS / 64 && !held; w++) {
 			for (uint64_t b = d->vmm[e].holders[w]; b && !held; b &= b - 1) {
-				pid_t pid = d->slot[w * 64 + __builtin_ctzll(b)].pid;
-				held = pid && pid_alive(pid);
+				held = slot_alive(phys, w * 64 + __builtin_ctzll(b));
 			}
 		}
 		if (held)
@@ -435,23 +451,31 @@ static uint64_t dev_used(int phys, bool reclaim)
 	return used;
 }
 
-/* This process's slot on the device; claim is to take a free one. -1: none. */
+/* This process's slot on the device; claim is to take a free one (or a
+ * dead process's). -1: none. */
 static int dev_slot(int phys, bool claim)
 {
 	struct dev_shared *d = g.dev[phys];
-	pid_t me = getpid();
-	int free_slot = -1;
+	if (g.myslot[phys] >= 0 || !claim)
+		return g.myslot[phys];
 	for (int i = 0; i < SLOTS; i++) {
-		if (d->slot[i].pid == me)
-			return i;
-		if (!d->slot[i].pid && free_slot < 0)
-			free_slot = i;
+		if (d->slot[i].pid && slot_alive(phys, i))
+			continue;
+		struct flock fl = {.l_type = F_RDLCK,
+				   .l_whence = SEEK_SET,
+				   .l_start = SLOT_LOCK + i,
+				   .l_len = 1};
+		if (fcntl(g.devfd[phys], F_OFD_SETLK, &fl) != 0)
+			continue;
+		if (d->slot[i].pid)
+			slot_reclaim(phys, i);
+		d->slot[i].pid = (int32_t)getpid();
+		d->slot[i].token = g.token;
+		d->slot[i].bytes = 0;
+		g.myslot[phys] = i;
+		return i;
 	}
-	if (claim && free_slot >= 0) {
-		d->slot[free_slot].pid = me;
-		d->slot[free_slot].bytes = 0;
-	}
-	return claim ? free_slot : -1;
+	return -1;
 }
 
 static int dev_open(int phys)
@@ -488,6 +512,7 @@ static void dev_close_all(void)
 			close(g.devfd[i]);
 		g.dev[i] = NULL;
 		g.devfd[i] = -1;
+		g.myslot[i] = -1;
 	}
 }
 
@@ -727,7 +752,7 @@ static void fork_child(void)
 __attribute__((constructor)) static void fake_load(void)
 {
 	for (int i = 0; i < MAX_DEVICES; i++)
-		g.devfd[i] = -1;
+		g.devfd[i] = g.myslot[i] = -1;
 	pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
@@ -816,6 +841,22 @@ FAKECUDA_API CUresult cuInit(unsigned int flags)
 	if (vmm_fd_parse(&g.vmm_fd) != 0) {
 		rc = CUDA_ERROR_INVALID_VALUE;
 		goto out;
+	}
+	s = getenv("FAKECUDA_LEGACY_IPC_NAMESPACE");
+	if (s && strcmp(s, "strict") != 0 && strcmp(s, "permissive") != 0) {
+		fprintf(stderr,
+			"fakecuda: FAKECUDA_LEGACY_IPC_NAMESPACE=%s: want strict or permissive\n",
+			s);
+		rc = CUDA_ERROR_INVALID_VALUE;
+		goto out;
+	}
+	g.strict_ns = s && strcmp(s, "strict") == 0;
+	struct stat nst;
+	g.pidns = stat("/proc/self/ns/pid", &nst) == 0 ? (uint64_t)nst.st_ino : 0;
+	while (!g.token) {
+		if (getrandom(&g.token, sizeof(g.token), GRND_NONBLOCK) != (ssize_t)sizeof(g.token))
+			g.token = (uint32_t)splitmix64(++g.serial ^ (uint64_t)time(NULL) ^
+						       (uint64_t)getpid());
 	}
 	g.nvis = visible_parse(getenv("CUDA_VISIBLE_DEVICES"), g.nphys, g.vis);
 	if (g.nvis == 0) {
@@ -1017,8 +1058,8 @@ FAKECUDA_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 		uint64_t r;
 		if (getrandom(&r, sizeof(r), GRND_NONBLOCK) != (ssize_t)sizeof(r))
 			r = splitmix64(++g.serial ^ (uint64_t)time(NULL));
-		snprintf(m->name, sizeof(m->name), "%.19s%u.%012llx", g.prefix, (unsigned)getpid(),
-			 (unsigned long long)(r & 0xffffffffffffull));
+		snprintf(m->name, sizeof(m->name), "%.19s%08x.%016llx", g.prefix, (unsigned)g.token,
+			 (unsigned long long)r);
 		fd = shm_open(m->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
 		if (fd < 0 && errno != EEXIST)
 			break;
@@ -1150,10 +1191,15 @@ FAKECUDA_API CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dpt
 		struct fake_handle h;
 		memset(&h, 0, sizeof(h));
 		memcpy(h.magic, handle_magic, sizeof(h.magic));
-		h.pid = (uint32_t)getpid();
+		h.token = g.token;
 		h.size = m->size;
 		h.phys = (uint32_t)m->phys;
-		memcpy(h.name, m->name, sizeof(h.name));
+		h.slot = (uint32_t)g.myslot[m->phys];
+		unsigned tok;
+		unsigned long long rnd;
+		sscanf(m->name, "/fakecuda.%8x.%8x.%16llx", &h.nshash, &tok, &rnd);
+		h.rnd = rnd;
+		h.pidns = g.pidns;
 		memcpy(pHandle, &h, sizeof(h));
 	}
 	pthread_rwlock_unlock(&g.lock);
@@ -1181,27 +1227,40 @@ FAKECUDA_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle h
 		goto out;
 	}
 	if (memcmp(h.magic, handle_magic, sizeof(h.magic)) != 0 || h.size == 0 ||
-	    h.phys >= MAX_DEVICES || !memchr(h.name, 0, sizeof(h.name)) ||
-	    strncmp(h.name, "/fakecuda.", 10) != 0 || strchr(h.name + 1, '/')) {
+	    h.phys >= (uint32_t)g.nphys || h.slot >= SLOTS || !h.token) {
 		rc = CUDA_ERROR_INVALID_HANDLE;
 		goto out;
 	}
-	if ((pid_t)h.pid == getpid()) {
+	if (h.token == g.token) {
 		rc = CUDA_ERROR_INVALID_CONTEXT; /* the driver's answer in the exporter */
 		goto out;
 	}
+	/* Across PID namespaces the driver refuses legacy IPC: it answers
+	 * "invalid device context" (CUDA_ERROR_INVALID_CONTEXT), as a process
+	 * in an isolated container reports. Only with the strict knob. */
+	if (g.strict_ns && h.pidns && g.pidns && h.pidns != g.pidns) {
+		rc = CUDA_ERROR_INVALID_CONTEXT;
+		goto out;
+	}
+	char name[NAME_LEN];
+	snprintf(name, sizeof(name), "/fakecuda.%08x.%08x.%016llx", (unsigned)h.nshash,
+		 (unsigned)h.token, (unsigned long long)h.rnd);
 	struct fake_map *m;
 	DL_FOREACH (g.maps, m) {
-		if (m->imported && strcmp(m->name, h.name) == 0) {
+		if (m->imported && strcmp(m->name, name) == 0) {
 			rc = CUDA_ERROR_ALREADY_MAPPED;
 			goto out;
 		}
 	}
-	if (!pid_alive((pid_t)h.pid)) {
+	dev_lock((int)h.phys, LOCK_SH);
+	bool alive = g.dev[h.phys]->slot[h.slot].token == h.token &&
+		     slot_alive((int)h.phys, (int)h.slot);
+	dev_lock((int)h.phys, LOCK_UN);
+	if (!alive) {
 		rc = CUDA_ERROR_INVALID_HANDLE; /* its memory went with it */
 		goto out;
 	}
-	int fd = shm_open(h.name, O_RDWR | O_CLOEXEC, 0);
+	int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
 	struct stat st;
 	if (fd < 0 || fstat(fd, &st) != 0 || (uint64_t)st.st_size < h.size) {
 		rc = fd < 0 && errno != ENOENT ? CUDA_ERROR_MAP_FAILED : CUDA_ERROR_INVALID_HANDLE;
@@ -1220,7 +1279,7 @@ FAKECUDA_API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle h
 	m->phys = (int)h.phys;
 	m->imported = true;
 	m->ctx = cur;
-	memcpy(m->name, h.name, sizeof(m->name));
+	memcpy(m->name, name, sizeof(m->name));
 	DL_APPEND(g.maps, m);
 	atomic_fetch_add(&g.opens, 1);
 	*pdptr = m->dptr;

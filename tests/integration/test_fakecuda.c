@@ -21,13 +21,16 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -711,9 +714,12 @@ Test(fakecuda, accounting_is_shared_across_processes_per_device)
 	cr_assert_eq(free_now(&api), 44 * MiB, "two holders hold 10 MiB each on device 0");
 	holder_free(&h1, pid1);
 	cr_assert_eq(free_now(&api), 54 * MiB, "freed in another process");
-	/* A killed process's memory is free again, as with the driver. */
+	/* A killed process's memory is free again, as with the driver. Its
+	 * objects' names carry its token (bytes 4..7 of its handles). */
 	char mark[32];
-	snprintf(mark, sizeof(mark), "%d.", (int)pid2);
+	uint32_t token;
+	memcpy(&token, hd.reserved + 4, sizeof(token));
+	snprintf(mark, sizeof(mark), "%08x.", (unsigned)token);
 	cr_assert_eq(shm_objects(mark), 1);
 	kill(pid2, SIGKILL);
 	siginfo_t si;
@@ -1318,4 +1324,578 @@ Test(fakecuda, vmm_fd_crosses_scm_rights_and_maps_the_same_bytes)
 	free(want);
 	bbt_chan_close(&im.ch);
 	bb_cuda_unload(&api);
+}
+
+/*
+ * Device accounting of VMM memory: an allocation counts once on its device
+ * while any living process holds a handle or mapping of it, whoever made
+ * it. The bytes themselves live while any fd, handle or mapping lives (a
+ * memfd): an fd alone keeps them but is not counted (the fake cannot see
+ * fds; README.md).
+ */
+
+/* Create im->size bytes on ordinal 0, map them, write seed 1; the handle,
+ * the mapping (*p) and an exported fd (*fd). */
+static CUmemGenericAllocationHandle vmm_made(const bb_cuda *api, size_t size, CUdeviceptr *p,
+					     int *fd)
+{
+	CUmemAllocationProp prop = vmm_prop(0, true);
+	CUmemGenericAllocationHandle h;
+	CU_OK(api, api->MemCreate(&h, size, &prop, 0));
+	CUresult rc;
+	*p = vmm_map(api, h, size, 0, &rc);
+	cr_assert_neq(*p, 0, "map: %s", cuerr(api, rc));
+	char *buf = malloc(size);
+	bbt_fill(buf, size, 1);
+	CU_OK(api, api->MemcpyHtoD(*p, buf, size));
+	free(buf);
+	CU_OK(api,
+	      api->MemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+	return h;
+}
+
+Test(fakecuda, vmm_allocation_counts_once_while_any_process_holds_it)
+{
+	setenv("FAKECUDA_MEMORY", "64M", 1);
+	struct vmm_peer im = {.ordinal = 0, .size = 4 * GRAN, .keep_fd = true};
+	bbt_chan_open(&im.ch);
+	pid_t pid = bbt_spawn(vmm_importer_child, &im);
+	bb_cuda api;
+	load(&api);
+	current(&api, 0);
+	CUdeviceptr p;
+	int fd;
+	CUmemGenericAllocationHandle h = vmm_made(&api, im.size, &p, &fd);
+	cr_assert_eq(free_now(&api), 64 * MiB - im.size, "created: counted");
+	cr_assert_eq(send_fd(im.ch.fd[0], fd), 0);
+	cr_assert_eq(close(fd), 0);
+	child_says(&im, pid, 'w');
+	cr_assert_eq(free_now(&api), 64 * MiB - im.size, "two holders: counted once");
+	char *buf = malloc(im.size);
+	CU_OK(&api, api.MemcpyDtoH(buf, p, im.size));
+	cr_assert(bbt_check(buf, im.size / 2, 2), "the importer's bytes");
+	/* Released while mapped: the mapping keeps it. */
+	CU_OK(&api, api.MemRelease(h));
+	CU_EQ(&api, api.MemRelease(h), CUDA_ERROR_INVALID_VALUE);
+	CU_OK(&api, api.MemcpyDtoH(buf, p, im.size));
+	cr_assert(bbt_check(buf, im.size / 2, 2), "released but mapped: the bytes are there");
+	CU_OK(&api, vmm_unmap(&api, p, im.size));
+	cr_assert_eq(free_now(&api), 64 * MiB - im.size, "the importer still holds it: counted");
+	cr_assert_eq(bbt_send(im.ch.fd[0], "u", 1), 0);
+	child_says(&im, pid, 'd');
+	cr_assert_eq(free_now(&api), 64 * MiB, "the last holder let go");
+	cr_assert_eq(bbt_send(im.ch.fd[0], "x", 1), 0);
+	cr_assert_eq(bbt_join(pid, CHILD_TIMEOUT_MS), 0);
+	bbt_chan_close(&im.ch);
+	free(buf);
+	bb_cuda_unload(&api);
+}
+
+Test(fakecuda, vmm_fd_alone_keeps_the_bytes_and_a_killed_holder_counts_no_more)
+{
+	setenv("FAKECUDA_MEMORY", "64M", 1);
+	struct vmm_peer im = {.ordinal = 0, .size = 4 * GRAN};
+	bbt_chan_open(&im.ch);
+	pid_t pid = bbt_spawn(vmm_importer_child, &im);
+	bb_cuda api;
+	load(&api);
+	current(&api, 0);
+	CUdeviceptr p;
+	int fd;
+	CUmemGenericAllocationHandle h = vmm_made(&api, im.size, &p, &fd);
+	CU_OK(&api, vmm_unmap(&api, p, im.size));
+	CU_OK(&api, api.MemRelease(h));
+	cr_assert_eq(free_now(&api), 64 * MiB, "no handle nor mapping left: not counted");
+	/* Only the fd is left; the importer finds seed 1 (vmm_importer_child). */
+	cr_assert_eq(send_fd(im.ch.fd[0], fd), 0);
+	cr_assert_eq(close(fd), 0);
+	child_says(&im, pid, 'w');
+	cr_assert_eq(free_now(&api), 64 * MiB - im.size, "imported and mapped: counted");
+	kill(pid, SIGKILL);
+	siginfo_t si;
+	cr_assert_eq(waitid(P_PID, (id_t)pid, &si, WEXITED | WNOWAIT), 0, "waitid: %s",
+		     strerror(errno));
+	cr_assert_eq(free_now(&api), 64 * MiB, "its holder was killed: free, reaped or not");
+	cr_assert_eq(bbt_join(pid, CHILD_TIMEOUT_MS), 128 + SIGKILL);
+	bbt_chan_close(&im.ch);
+	bb_cuda_unload(&api);
+}
+
+typedef CUresult (*fn_memcreate)(CUmemGenericAllocationHandle *, size_t,
+				 const CUmemAllocationProp *, unsigned long long);
+typedef CUresult (*fn_attr)(int *, CUdevice_attribute, CUdevice);
+
+Test(fakecuda, vmm_calls_need_cuInit_a_context_and_no_fork)
+{
+	void *lib = fake_lib();
+	fn_memcreate create = (fn_memcreate)dlsym(lib, "cuMemCreate");
+	fn_attr attr = (fn_attr)dlsym(lib, "cuDeviceGetAttribute");
+	cr_assert(create && attr);
+	CUmemAllocationProp prop = vmm_prop(0, true);
+	CUmemGenericAllocationHandle h;
+	int v;
+	cr_assert_eq(create(&h, GRAN, &prop, 0), CUDA_ERROR_NOT_INITIALIZED);
+	cr_assert_eq(attr(&v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0),
+		     CUDA_ERROR_NOT_INITIALIZED);
+	dlclose(lib);
+	bb_cuda api;
+	load(&api);
+	CUdeviceptr p;
+	size_t gran;
+	CU_EQ(&api, api.MemCreate(&h, GRAN, &prop, 0), CUDA_ERROR_INVALID_CONTEXT);
+	CU_EQ(&api, api.MemAddressReserve(&p, GRAN, 0, 0, 0), CUDA_ERROR_INVALID_CONTEXT);
+	/* Device queries need no context. */
+	CU_OK(&api,
+	      api.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+	cr_assert_eq(gran, GRAN);
+	CU_OK(&api, api.DeviceGetAttribute(
+			    &v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0));
+	cr_assert_eq(v, 1);
+	current(&api, 0);
+	CU_OK(&api, api.MemCreate(&h, GRAN, &prop, 0));
+	/* A child forked after cuInit cannot use the driver, nor free ours. */
+	pid_t pid = fork();
+	cr_assert_geq(pid, 0);
+	if (pid == 0) {
+		int fd;
+		CUmemGenericAllocationHandle h2;
+		bool ok = api.MemCreate(&h2, GRAN, &prop, 0) == CUDA_ERROR_NOT_INITIALIZED &&
+			  api.MemExportToShareableHandle(&fd, h,
+							 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+							 0) == CUDA_ERROR_NOT_INITIALIZED &&
+			  api.MemRelease(h) == CUDA_ERROR_NOT_INITIALIZED;
+		_exit(ok ? 0 : 1);
+	}
+	cr_assert_eq(bbt_join(pid, CHILD_TIMEOUT_MS), 0, "the forked child got another answer");
+	CU_OK(&api, api.MemRelease(h));
+	bb_cuda_unload(&api);
+}
+
+Test(fakecuda, vmm_attributes_and_granularity_are_the_drivers)
+{
+	bb_cuda api;
+	load(&api);
+	int v = -1;
+	CU_OK(&api, api.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, 1));
+	cr_assert_eq(v, 1);
+	CU_OK(&api,
+	      api.DeviceGetAttribute(
+		      &v, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, 1));
+	cr_assert_eq(v, 1);
+	CU_EQ(&api, api.DeviceGetAttribute(&v, (CUdevice_attribute)9999, 0),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, 2),
+	      CUDA_ERROR_INVALID_DEVICE);
+	CU_EQ(&api, api.DeviceGetAttribute(NULL, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, 0),
+	      CUDA_ERROR_INVALID_VALUE);
+	size_t gran = 0;
+	CUmemAllocationProp prop = vmm_prop(1, false);
+	CU_OK(&api,
+	      api.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+	cr_assert_eq(gran, GRAN);
+	CU_EQ(&api,
+	      api.MemGetAllocationGranularity(&gran, &prop, (CUmemAllocationGranularity_flags)2),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemGetAllocationGranularity(NULL, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemGetAllocationGranularity(&gran, NULL, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+	      CUDA_ERROR_INVALID_VALUE);
+	prop.type = CU_MEM_ALLOCATION_TYPE_INVALID;
+	CU_EQ(&api, api.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+	      CUDA_ERROR_INVALID_VALUE);
+	prop = vmm_prop(2, false);
+	CU_EQ(&api, api.MemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+	      CUDA_ERROR_INVALID_DEVICE);
+	bb_cuda_unload(&api);
+}
+
+Test(fakecuda, vmm_create_export_and_import_refuse_what_the_driver_refuses)
+{
+	setenv("FAKECUDA_MEMORY", "16M", 1);
+	bb_cuda api;
+	load(&api);
+	current(&api, 0);
+	CUmemAllocationProp prop = vmm_prop(0, true);
+	CUmemGenericAllocationHandle h, h2, plain;
+	CU_EQ(&api, api.MemCreate(&h, 0, &prop, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemCreate(&h, GRAN + 4096, &prop, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemCreate(&h, GRAN, &prop, 1), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemCreate(NULL, GRAN, &prop, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemCreate(&h, 10 * GRAN, &prop, 0), CUDA_ERROR_OUT_OF_MEMORY);
+	prop.location.id = 5;
+	CU_EQ(&api, api.MemCreate(&h, GRAN, &prop, 0), CUDA_ERROR_INVALID_DEVICE);
+	prop = vmm_prop(0, true);
+	prop.requestedHandleTypes = (CUmemAllocationHandleType)0x2; /* Win32 */
+	CU_EQ(&api, api.MemCreate(&h, GRAN, &prop, 0), CUDA_ERROR_NOT_SUPPORTED);
+	prop = vmm_prop(0, true);
+	CU_OK(&api, api.MemCreate(&h, 4 * GRAN, &prop, 0));
+	cr_assert_eq(free_now(&api), 16 * MiB - 4 * GRAN);
+	CU_EQ(&api, api.MemCreate(&h2, 6 * GRAN, &prop, 0), CUDA_ERROR_OUT_OF_MEMORY);
+
+	/* Export: a new fd per call, of the POSIX fd type only, and only when
+	 * it was requested at create. */
+	int fd1 = -1, fd2 = -1;
+	CU_OK(&api,
+	      api.MemExportToShareableHandle(&fd1, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+	CU_OK(&api,
+	      api.MemExportToShareableHandle(&fd2, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+	cr_assert(fd1 >= 0 && fd2 >= 0 && fd1 != fd2, "fds %d and %d", fd1, fd2);
+	cr_assert_eq(fcntl(fd1, F_GETFD) & FD_CLOEXEC, FD_CLOEXEC);
+	CU_EQ(&api,
+	      api.MemExportToShareableHandle(NULL, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemExportToShareableHandle(&fd2, h, (CUmemAllocationHandleType)0x2, 0),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api,
+	      api.MemExportToShareableHandle(&fd2, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 1),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api,
+	      api.MemExportToShareableHandle(&fd2, h + 8, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+					     0),
+	      CUDA_ERROR_INVALID_VALUE);
+	prop = vmm_prop(0, false);
+	CU_OK(&api, api.MemCreate(&plain, GRAN, &prop, 0));
+	CU_EQ(&api,
+	      api.MemExportToShareableHandle(&fd2, plain, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+					     0),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_OK(&api, api.MemRelease(plain));
+
+	/* Import: our memfd, whole; never another fd. It leaves the fd open. */
+	CU_OK(&api, api.MemImportFromShareableHandle(&h2, (void *)(uintptr_t)fd1,
+						     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+	cr_assert_eq(fcntl(fd1, F_GETFD) >= 0, true, "import closed the fd");
+	cr_assert_eq(free_now(&api), 16 * MiB - 4 * GRAN,
+		     "one allocation, two handles: counted once");
+	CU_EQ(&api,
+	      api.MemImportFromShareableHandle(&h2, (void *)(uintptr_t)fd1,
+					       (CUmemAllocationHandleType)0x2),
+	      CUDA_ERROR_INVALID_VALUE);
+	int pfd[2];
+	cr_assert_eq(pipe(pfd), 0);
+	int other = memfd_create("fakecuda.00000000.vmm.0.2097152.1", MFD_CLOEXEC);
+	cr_assert_geq(other, 0);
+	cr_assert_eq(ftruncate(other, GRAN), 0);
+	int bad[] = {-1, pfd[0], other, 9999};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+		CU_EQ(&api,
+		      api.MemImportFromShareableHandle(&plain, (void *)(uintptr_t)bad[i],
+						       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+		      CUDA_ERROR_INVALID_VALUE);
+	close(pfd[0]);
+	close(pfd[1]);
+	close(other);
+	/* An imported handle is not exported again by the fake. */
+	CU_EQ(&api,
+	      api.MemExportToShareableHandle(&fd2, h2, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_OK(&api, api.MemRelease(h2));
+	CU_OK(&api, api.MemRelease(h));
+	cr_assert_eq(free_now(&api), 16 * MiB);
+	close(fd1);
+	close(fd2);
+	bb_cuda_unload(&api);
+}
+
+Test(fakecuda, vmm_map_access_and_unmap_follow_the_drivers_rules)
+{
+	bb_cuda api;
+	load(&api);
+	current(&api, 0);
+	CUmemAllocationProp prop = vmm_prop(0, false);
+	CUmemGenericAllocationHandle h;
+	CU_OK(&api, api.MemCreate(&h, 2 * GRAN, &prop, 0));
+	CUdeviceptr r, q;
+	CU_EQ(&api, api.MemAddressReserve(&r, GRAN + 4096, 0, 0, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemAddressReserve(&r, 4 * GRAN, 3 * GRAN, 0, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemAddressReserve(&r, 4 * GRAN, 0, 0, 1), CUDA_ERROR_INVALID_VALUE);
+	CU_OK(&api, api.MemAddressReserve(&q, 2 * GRAN, 8 * GRAN, 0, 0));
+	cr_assert_eq(q % (8 * GRAN), 0, "alignment");
+	CU_OK(&api, api.MemAddressFree(q, 2 * GRAN));
+	CU_OK(&api, api.MemAddressReserve(&r, 4 * GRAN, 0, 0, 0));
+	/* Map: offset 0, the whole allocation, aligned, inside a reservation,
+	 * where nothing is mapped. */
+	CU_EQ(&api, api.MemMap(r, 2 * GRAN, GRAN, h, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemMap(r, GRAN, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemMap(r, 2 * GRAN, 0, h, 1), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemMap(r + 4096, 2 * GRAN, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemMap(r + 3 * GRAN, 2 * GRAN, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemMap(r + 8 * GRAN, 2 * GRAN, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemMap(r, 2 * GRAN, 0, h + 8, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_OK(&api, api.MemMap(r + 2 * GRAN, 2 * GRAN, 0, h, 0));
+	CU_EQ(&api, api.MemMap(r + 2 * GRAN, 2 * GRAN, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemMap(r + GRAN, 2 * GRAN, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+	CUdeviceptr p = r + 2 * GRAN;
+	/* No access until cuMemSetAccess. */
+	char buf[256] = {0};
+	CU_EQ(&api, api.MemcpyHtoD(p, buf, sizeof(buf)), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemcpyDtoH(buf, p, sizeof(buf)), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemsetD8(p, 1, sizeof(buf)), CUDA_ERROR_INVALID_VALUE);
+	CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 1},
+			       .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	CU_EQ(&api, api.MemSetAccess(p, GRAN, &acc, 1),
+	      CUDA_ERROR_INVALID_VALUE); /* half a mapping */
+	CU_EQ(&api, api.MemSetAccess(r, 4 * GRAN, &acc, 1), CUDA_ERROR_INVALID_VALUE); /* a gap */
+	CU_EQ(&api, api.MemSetAccess(p, 2 * GRAN, &acc, 0), CUDA_ERROR_INVALID_VALUE);
+	acc.location.id = 7;
+	CU_EQ(&api, api.MemSetAccess(p, 2 * GRAN, &acc, 1), CUDA_ERROR_INVALID_DEVICE);
+	acc.location.id = 0;
+	acc.flags = (CUmemAccess_flags)2;
+	CU_EQ(&api, api.MemSetAccess(p, 2 * GRAN, &acc, 1), CUDA_ERROR_INVALID_VALUE);
+	/* Access for device 1 only: a context of device 0 still cannot copy. */
+	acc.location.id = 1;
+	acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	CU_OK(&api, api.MemSetAccess(p, 2 * GRAN, &acc, 1));
+	CU_EQ(&api, api.MemcpyHtoD(p, buf, sizeof(buf)), CUDA_ERROR_INVALID_VALUE);
+	/* Read access: reads only. */
+	acc.location.id = 0;
+	acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+	CU_OK(&api, api.MemSetAccess(p, 2 * GRAN, &acc, 1));
+	CU_OK(&api, api.MemcpyDtoH(buf, p, sizeof(buf)));
+	CU_EQ(&api, api.MemcpyHtoD(p, buf, sizeof(buf)), CUDA_ERROR_INVALID_VALUE);
+	acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	CU_OK(&api, api.MemSetAccess(p, 2 * GRAN, &acc, 1));
+	CU_OK(&api, api.MemsetD8(p + 2 * GRAN - 256, 0xab, 256));
+	CU_OK(&api, api.MemcpyDtoH(buf, p + 2 * GRAN - 256, 256));
+	cr_assert_eq((unsigned char)buf[255], 0xab);
+	CU_EQ(&api, api.MemcpyDtoH(buf, p + 2 * GRAN - 128, 256), CUDA_ERROR_INVALID_VALUE);
+	/* Not a cuMemAlloc pointer, nor one for legacy IPC. */
+	CUipcMemHandle ipc;
+	CU_EQ(&api, api.MemFree(p), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.IpcGetMemHandle(&ipc, p), CUDA_ERROR_INVALID_VALUE);
+	/* Unmap: whole mappings; the reservation goes when nothing is mapped. */
+	CU_EQ(&api, api.MemUnmap(p, GRAN), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemUnmap(r, 2 * GRAN), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemAddressFree(r, 4 * GRAN), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemAddressFree(r, 2 * GRAN), CUDA_ERROR_INVALID_VALUE);
+	CU_OK(&api, api.MemUnmap(r, 4 * GRAN));
+	CU_EQ(&api, api.MemcpyDtoH(buf, p, sizeof(buf)), CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api, api.MemUnmap(p, 2 * GRAN), CUDA_ERROR_INVALID_VALUE);
+	CU_OK(&api, api.MemAddressFree(r, 4 * GRAN));
+	CU_EQ(&api, api.MemAddressFree(r, 4 * GRAN), CUDA_ERROR_INVALID_VALUE);
+	/* A released handle maps no more. */
+	CU_OK(&api, api.MemAddressReserve(&r, 2 * GRAN, 0, 0, 0));
+	CU_OK(&api, api.MemRelease(h));
+	CU_EQ(&api, api.MemMap(r, 2 * GRAN, 0, h, 0), CUDA_ERROR_INVALID_VALUE);
+	CU_OK(&api, api.MemAddressFree(r, 2 * GRAN));
+	bb_cuda_unload(&api);
+}
+
+Test(fakecuda, vmm_fd_knobs_take_posix_fd_export_from_devices)
+{
+	setenv("FAKECUDA_VMM_FD_LACKING", "1", 1);
+	bb_cuda api;
+	load(&api);
+	int v = -1;
+	CU_OK(&api,
+	      api.DeviceGetAttribute(
+		      &v, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, 0));
+	cr_assert_eq(v, 1);
+	CU_OK(&api,
+	      api.DeviceGetAttribute(
+		      &v, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, 1));
+	cr_assert_eq(v, 0);
+	CU_OK(&api, api.DeviceGetAttribute(
+			    &v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 1));
+	cr_assert_eq(v, 1, "VMM itself is there");
+	current(&api, 1);
+	CUmemAllocationProp prop = vmm_prop(1, true);
+	CUmemGenericAllocationHandle h;
+	CU_EQ(&api, api.MemCreate(&h, GRAN, &prop, 0), CUDA_ERROR_NOT_SUPPORTED);
+	prop = vmm_prop(1, false);
+	CU_OK(&api, api.MemCreate(&h, GRAN, &prop, 0));
+	CU_OK(&api, api.MemRelease(h));
+	bb_cuda_unload(&api);
+
+	/* FAKECUDA_VMM_FD=0: no device; a bad value fails cuInit. */
+	unsetenv("FAKECUDA_VMM_FD_LACKING");
+	setenv("FAKECUDA_VMM_FD", "0", 1);
+	load(&api);
+	for (int d = 0; d < 2; d++) {
+		CU_OK(&api,
+		      api.DeviceGetAttribute(
+			      &v, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+			      d));
+		cr_assert_eq(v, 0, "device %d", d);
+	}
+	current(&api, 0);
+	prop = vmm_prop(0, true);
+	CU_EQ(&api, api.MemCreate(&h, GRAN, &prop, 0), CUDA_ERROR_NOT_SUPPORTED);
+	bb_cuda_unload(&api);
+	setenv("FAKECUDA_VMM_FD", "maybe", 1);
+	char err[256];
+	cr_assert_neq(bb_cuda_load(&api, err, sizeof(err)), 0);
+	cr_assert(strstr(err, "CUDA_ERROR_INVALID_VALUE"), "%s", err);
+	unsetenv("FAKECUDA_VMM_FD");
+}
+
+Test(fakecuda, novmm_build_is_a_driver_too_old_for_vmm)
+{
+	const char *lib = getenv("BB_FAKECUDA_NOVMM");
+	cr_assert(lib && lib[0], "BB_FAKECUDA_NOVMM must name the built libfakecuda_novmm.so");
+	setenv("BUFBROKER_CUDA_LIBRARY", lib, 1);
+	bb_cuda api;
+	char err[256], why[256] = "";
+	cr_assert_eq(bb_cuda_load(&api, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(bb_cuda_has_vmm(&api, why, sizeof(why)), 0);
+	cr_assert(strstr(why, "cuMemCreate"), "why: %s", why);
+	cr_assert_null(dlsym(api.lib, "cuMemImportFromShareableHandle"));
+	int v = -1;
+	CU_OK(&api, api.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, 0));
+	cr_assert_eq(v, 1);
+	CU_EQ(&api,
+	      api.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+				     0),
+	      CUDA_ERROR_INVALID_VALUE);
+	CU_EQ(&api,
+	      api.DeviceGetAttribute(
+		      &v, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, 0),
+	      CUDA_ERROR_INVALID_VALUE);
+	/* Legacy memory works as ever. */
+	current(&api, 0);
+	CUdeviceptr p;
+	CU_OK(&api, api.MemAlloc(&p, 4096));
+	CU_OK(&api, api.MemFree(p));
+	bb_cuda_unload(&api);
+}
+
+/* ---- PID namespaces ---------------------------------------------------------- */
+
+#define NS_DENIED 99 /* the child may not make a PID namespace */
+
+/* What a consumer in its own PID namespace is given and does. */
+struct ns_peer {
+	bool strict;        /* FAKECUDA_LEGACY_IPC_NAMESPACE=strict in there */
+	size_t legacy_size; /* of the holder's cuMemAlloc, seed legacy_seed */
+	uint32_t legacy_seed;
+	size_t vmm_size;   /* of the test's VMM allocation, seed 1 */
+	char outer_ns[64]; /* readlink /proc/self/ns/pid of the test */
+	bbt_chan ch;
+};
+
+/* In the new namespace (pid 1 there): open the legacy handle (refused under
+ * strict), import and map the VMM fd; find the seeds, write seed 2 in the
+ * VMM allocation. */
+static int ns_consumer(struct ns_peer *x)
+{
+	bb_cuda api;
+	CUipcMemHandle hd;
+	CUresult rc;
+	char ns[64] = "";
+	STEP(2,
+	     readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1) > 0 && strcmp(ns, x->outer_ns) != 0);
+	STEP(3, getpid() == 1);
+	STEP(4, bbt_recv(x->ch.fd[1], &hd, sizeof(hd), 30000) == 0);
+	int fd = recv_fd(x->ch.fd[1], 30000);
+	STEP(5, fd >= 0);
+	if (x->strict)
+		setenv("FAKECUDA_LEGACY_IPC_NAMESPACE", "strict", 1);
+	STEP(6, child_load(&api) == 0);
+	STEP(7, make_current(&api, 0, NULL) == CUDA_SUCCESS);
+	char *buf = malloc(x->vmm_size > x->legacy_size ? x->vmm_size : x->legacy_size);
+	STEP(8, buf);
+	CUdeviceptr p;
+	rc = api.IpcOpenMemHandle(&p, hd, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+	if (x->strict) {
+		STEP(9, rc == CUDA_ERROR_INVALID_CONTEXT);
+	} else {
+		STEP(10, rc == CUDA_SUCCESS);
+		STEP(11, api.MemcpyDtoH(buf, p, x->legacy_size) == CUDA_SUCCESS);
+		STEP(12, bbt_check(buf, x->legacy_size, x->legacy_seed));
+		STEP(13, api.IpcCloseMemHandle(p) == CUDA_SUCCESS);
+	}
+	CUmemGenericAllocationHandle h;
+	STEP(14, api.MemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
+						  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ==
+			 CUDA_SUCCESS);
+	close(fd);
+	p = vmm_map(&api, h, x->vmm_size, 0, &rc);
+	STEP(15, p != 0);
+	STEP(16, api.MemcpyDtoH(buf, p, x->vmm_size) == CUDA_SUCCESS);
+	STEP(17, bbt_check(buf, x->vmm_size, 1));
+	bbt_fill(buf, x->vmm_size, 2);
+	STEP(18, api.MemcpyHtoD(p, buf, x->vmm_size) == CUDA_SUCCESS);
+	STEP(19, vmm_unmap(&api, p, x->vmm_size) == CUDA_SUCCESS);
+	STEP(20, api.MemRelease(h) == CUDA_SUCCESS);
+	free(buf);
+	bb_cuda_unload(&api);
+	return 0;
+}
+
+/* Forked before the test's cuInit: unshare the PID namespace, and run the
+ * consumer as pid 1 of it (as `unshare --pid --fork` does). */
+static int ns_child(void *arg)
+{
+	if (unshare(CLONE_NEWPID) != 0) {
+		fprintf(stderr, "unshare(CLONE_NEWPID): %s\n", strerror(errno));
+		return NS_DENIED;
+	}
+	pid_t pid = fork();
+	if (pid < 0)
+		return 1;
+	if (pid == 0)
+		_exit(ns_consumer(arg));
+	int st;
+	while (waitpid(pid, &st, 0) < 0 && errno == EINTR)
+		;
+	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* The consumer in its own PID namespace reaches a legacy allocation of a
+ * holder and a VMM allocation of this process through what it was sent. */
+static void across_namespaces(bool strict)
+{
+	setenv("FAKECUDA_MEMORY", "64M", 1);
+	if (strict)
+		setenv("FAKECUDA_LEGACY_IPC_NAMESPACE", "strict", 1);
+	struct ns_peer x = {
+		.strict = strict, .legacy_size = 8192 + 17, .legacy_seed = 9, .vmm_size = 2 * GRAN};
+	cr_assert_gt(readlink("/proc/self/ns/pid", x.outer_ns, sizeof(x.outer_ns) - 1), 0);
+	bbt_chan_open(&x.ch);
+	pid_t pid = bbt_spawn(ns_child, &x);
+	struct holder hl = {.ordinal = 0, .size = x.legacy_size, .seed = x.legacy_seed};
+	CUipcMemHandle hd;
+	pid_t hpid = holder_start(&hl, &hd);
+	bb_cuda api;
+	load(&api);
+	current(&api, 0);
+	/* In one namespace the strict knob changes nothing. */
+	CUdeviceptr q;
+	CU_OK(&api, api.IpcOpenMemHandle(&q, hd, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+	CU_OK(&api, api.IpcCloseMemHandle(q));
+	CUdeviceptr p;
+	int fd;
+	CUmemGenericAllocationHandle h = vmm_made(&api, x.vmm_size, &p, &fd);
+	cr_assert_eq(bbt_send(x.ch.fd[0], &hd, sizeof(hd)), 0);
+	cr_assert_eq(send_fd(x.ch.fd[0], fd), 0);
+	close(fd);
+	int rc = bbt_join(pid, CHILD_TIMEOUT_MS);
+	if (rc == NS_DENIED) {
+		holder_free(&hl, hpid);
+		CU_OK(&api, vmm_unmap(&api, p, x.vmm_size));
+		CU_OK(&api, api.MemRelease(h));
+		bb_cuda_unload(&api);
+		cr_skip_test(
+			"this process may not make a PID namespace (unshare --pid needs root)");
+	}
+	cr_assert_eq(rc, 0, "the consumer in its own PID namespace failed at step %d", rc);
+	char *buf = malloc(x.vmm_size);
+	CU_OK(&api, api.MemcpyDtoH(buf, p, x.vmm_size));
+	cr_assert(bbt_check(buf, x.vmm_size, 2), "the consumer's bytes");
+	free(buf);
+	CU_OK(&api, vmm_unmap(&api, p, x.vmm_size));
+	CU_OK(&api, api.MemRelease(h));
+	holder_free(&hl, hpid);
+	bbt_chan_close(&x.ch);
+	bb_cuda_unload(&api);
+}
+
+Test(fakecuda, another_pid_namespace_opens_legacy_handles_and_maps_vmm_fds)
+{
+	across_namespaces(false);
+}
+
+Test(fakecuda, strict_knob_refuses_legacy_ipc_across_pid_namespaces_not_vmm)
+{
+	across_namespaces(true);
 }
