@@ -37,6 +37,8 @@ enum key_type {
 	KEY_LISTEN, /* HOST:PORT; empty: no listener */
 	KEY_UIDS,   /* a server_allow of users: numbers or names, comma-separated */
 	KEY_GIDS,   /* ... of groups */
+	KEY_HANDLE, /* a CUDA handle kind (int): legacy, auto, vmm */
+	KEY_FORBID, /* a CUDA handle kind forbidden (int): none, legacy, vmm */
 };
 
 typedef struct key {
@@ -94,6 +96,12 @@ static const key keys[] = {
 	 UINT64_MAX, false, false},
 	{"cuda", "device_bytes", "cuda-device-bytes", KEY_U64, OFF(server.cuda.device_bytes), 1,
 	 UINT64_MAX, false, false},
+	{"cuda", "handle", "cuda-handle", KEY_HANDLE, OFF(server.cuda.handle_default), 0, 0, false,
+	 true},
+	{"cuda", "forbid", "cuda-forbid", KEY_FORBID, OFF(server.cuda.handle_forbid), 0, 0, false,
+	 true},
+	{"cuda", "max_vmm_allocations", "max-cuda-vmm-allocations", KEY_U64,
+	 OFF(server.cuda.vmm_allocations), 0, 1ULL << 20, false, false},
 	{"log", "level", "log-level", KEY_LEVEL, OFF(log_level), 0, 0, false, true},
 	{"metrics", "listen", "metrics-listen", KEY_LISTEN, OFF(own_metrics), 0, 0, false, false},
 };
@@ -458,6 +466,30 @@ static int key_set(config *c, const key *k, const char *v, char *why, size_t len
 	case KEY_UIDS:
 	case KEY_GIDS:
 		return parse_allow(v, k->type == KEY_GIDS, (server_allow *)field(c, k), why, len);
+	case KEY_HANDLE:
+	case KEY_FORBID: {
+		static const struct {
+			const char *name;
+			int value;
+			bool handle, forbid; /* where it may be given */
+		} kinds[] = {
+			{"none", 0, false, true},
+			{"legacy", BB_CUDA_HANDLE_LEGACY, true, true},
+			{"auto", BB_CUDA_HANDLE_AUTO, true, false},
+			{"vmm", BB_CUDA_HANDLE_VMM, true, true},
+		};
+		bool forbid = k->type == KEY_FORBID;
+		for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
+			if (strcasecmp(v, kinds[i].name) == 0 &&
+			    (forbid ? kinds[i].forbid : kinds[i].handle)) {
+				*(int *)field(c, k) = kinds[i].value;
+				return 0;
+			}
+		}
+		snprintf(why, len, "\"%s\" is not %s", v,
+			 forbid ? "none, legacy or vmm" : "legacy, auto or vmm");
+		return -1;
+	}
 	case KEY_LEVEL: {
 		int l = log_level_parse(v);
 		if (l < 0) {
@@ -493,6 +525,16 @@ static const char *key_format(const config *c, const key *k, char *buf, size_t l
 		break;
 	}
 	case KEY_LEVEL: snprintf(buf, len, "%s", log_level_name(*(const enum log_level *)f)); break;
+	case KEY_HANDLE:
+	case KEY_FORBID: {
+		int h = *(const int *)f;
+		snprintf(buf, len, "%s",
+			 h == BB_CUDA_HANDLE_LEGACY ? "legacy"
+			 : h == BB_CUDA_HANDLE_AUTO ? "auto"
+			 : h == BB_CUDA_HANDLE_VMM  ? "vmm"
+						    : "none");
+		break;
+	}
 	case KEY_UIDS:
 	case KEY_GIDS: {
 		const server_allow *a = f;
@@ -535,6 +577,11 @@ void config_free(config *c)
 
 int config_finish(config *c, config_problems *probs)
 {
+	char why[160];
+	if (backend_cuda_handles_check(&c->server.cuda, why, sizeof(why)) < 0) {
+		problem(probs, 0, NULL, "%s", why);
+		return -1;
+	}
 	if (c->own_path)
 		return 0;
 	const char *xdg = getenv("XDG_RUNTIME_DIR");
@@ -743,8 +790,9 @@ size_t config_apply_live(config *running, const config *fresh)
 			continue;
 		}
 		/* Live keys are all plain values: numbers, a level, a list. */
-		size_t size = k->type == KEY_U32                           ? sizeof(uint32_t)
-			      : k->type == KEY_LEVEL                       ? sizeof(enum log_level)
+		size_t size = k->type == KEY_U32     ? sizeof(uint32_t)
+			      : k->type == KEY_LEVEL ? sizeof(enum log_level)
+			      : k->type == KEY_HANDLE || k->type == KEY_FORBID ? sizeof(int)
 			      : k->type == KEY_UIDS || k->type == KEY_GIDS ? sizeof(server_allow)
 									   : sizeof(uint64_t);
 		memcpy(field(running, k), cfield(fresh, k), size);

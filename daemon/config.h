@@ -66,7 +66,9 @@ int config_apply_flag(config *c, const config_flag *f, config_problems *probs);
 bool config_has_flag(const char *name);
 /* Fill what depends on the environment: the default socket path
  * (/run/bufbroker/bufbroker.sock as root, $XDG_RUNTIME_DIR/bufbroker.sock
- * otherwise). 0, or -1 out of memory (added to probs). */
+ * otherwise), and check what one key cannot check alone (a CUDA handle
+ * default that cuda-forbid forbids). 0, or -1 with the problem added to
+ * probs. */
 int config_finish(config *c, config_problems *probs);
 /* Free the strings; c may be config_init'ed again. */
 void config_free(config *c);

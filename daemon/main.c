@@ -71,6 +71,16 @@ static void usage(FILE *out)
 		"  --cuda-device-bytes BYTES\n"
 		"                         device memory the daemon may hold per device\n"
 		"                         (default 90%% of each device's memory)\n"
+		"  --cuda-handle KIND     what a CUDA alloc that names no handle kind gets:\n"
+		"                         legacy (default: a CUDA IPC handle), vmm (a\n"
+		"                         cuMemCreate allocation whose fd the daemon sends:\n"
+		"                         crosses containers) or auto (vmm where the device\n"
+		"                         and driver allow it, else legacy)\n"
+		"  --cuda-forbid KIND     never give this kind: none (default), legacy or vmm;\n"
+		"                         asking for it is refused (BB_ERR_UNSUPPORTED)\n"
+		"  --max-cuda-vmm-allocations N\n"
+		"                         VMM allocations held at once, all devices; each is\n"
+		"                         an open file of the daemon's (default 1024)\n"
 		"  --no-cuda              serve host buffers only: do not load the CUDA driver\n"
 		"                         ($BUFBROKER_CUDA_LIBRARY, default libcuda.so.1)\n"
 		"  --metrics-listen ADDRESS:PORT\n"
@@ -112,6 +122,9 @@ static const struct option options[] = {
 	{"cuda-slab-bytes", required_argument, NULL, OPT_KEY},
 	{"cuda-cache-bytes", required_argument, NULL, OPT_KEY},
 	{"cuda-device-bytes", required_argument, NULL, OPT_KEY},
+	{"cuda-handle", required_argument, NULL, OPT_KEY},
+	{"cuda-forbid", required_argument, NULL, OPT_KEY},
+	{"max-cuda-vmm-allocations", required_argument, NULL, OPT_KEY},
 	{"no-cuda", no_argument, NULL, OPT_KEY},
 	{"metrics-listen", required_argument, NULL, OPT_KEY},
 	{"config", required_argument, NULL, OPT_CONFIG},

@@ -120,7 +120,15 @@ static void render_uids(FILE *f, const snapshot *snap)
 }
 
 /* The per-device gauges. */
-typedef enum dev_field { DEV_TOTAL, DEV_FREE, DEV_USED, DEV_RESERVED, DEV_LIMIT } dev_field;
+typedef enum dev_field {
+	DEV_TOTAL,
+	DEV_FREE,
+	DEV_USED,
+	DEV_RESERVED,
+	DEV_LIMIT,
+	DEV_VMM,
+	DEV_VMM_ALLOCATIONS
+} dev_field;
 
 static unsigned long long dev_value(const backend_device *d, dev_field field)
 {
@@ -129,6 +137,8 @@ static unsigned long long dev_value(const backend_device *d, dev_field field)
 	case DEV_FREE: return d->free;
 	case DEV_USED: return d->used;
 	case DEV_RESERVED: return d->reserved;
+	case DEV_VMM: return d->vmm ? 1 : 0;
+	case DEV_VMM_ALLOCATIONS: return d->vmm_allocations;
 	default: return d->limit;
 	}
 }
@@ -215,6 +225,21 @@ static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 	for (int k = 1; k <= BB_KIND_COUNT; k++)
 		fprintf(f, "bufbroker_buffer_bytes{kind=\"%s\"} %" PRIu64 "\n", bb_kind_name(k),
 			t.bytes[k]);
+	/* CUDA buffers by how they are shared: the wire's CudaHandle names. */
+	static const char *const handles[] = {
+		[BB_CUDA_HANDLE_LEGACY] = "legacy", [BB_CUDA_HANDLE_VMM] = "vmm"};
+	family(f, "bufbroker_cuda_buffers", "gauge",
+	       "Live CUDA buffers, by handle kind (legacy IPC handle, or VMM fd).");
+	for (int h = BB_CUDA_HANDLE_LEGACY; h <= BB_CUDA_HANDLE_VMM; h += 1)
+		if (handles[h])
+			fprintf(f, "bufbroker_cuda_buffers{handle=\"%s\"} %" PRIu64 "\n",
+				handles[h], t.cuda_buffers[h]);
+	family(f, "bufbroker_cuda_buffer_bytes", "gauge",
+	       "Bytes of live CUDA buffers (their sizes), by handle kind.");
+	for (int h = BB_CUDA_HANDLE_LEGACY; h <= BB_CUDA_HANDLE_VMM; h += 1)
+		if (handles[h])
+			fprintf(f, "bufbroker_cuda_buffer_bytes{handle=\"%s\"} %" PRIu64 "\n",
+				handles[h], t.cuda_bytes[h]);
 	family(f, "bufbroker_tokens", "gauge", "Live tokens (taken, not yet adopted or expired).");
 	fprintf(f, "bufbroker_tokens %" PRIu64 "\n", t.tokens);
 	family(f, "bufbroker_parked_waits", "gauge", "Wait requests parked on pending buffers.");
@@ -246,6 +271,13 @@ static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 	device_family(f, devs, ndev, "bufbroker_device_limit_bytes",
 		      "The most device memory the daemon may hold (--cuda-device-bytes).",
 		      DEV_LIMIT);
+	device_family(f, devs, ndev, "bufbroker_device_vmm",
+		      "1 when VMM CUDA buffers can be had on the device (driver, device and "
+		      "--cuda-forbid allow them), else 0; ServerStatus says why not.",
+		      DEV_VMM);
+	device_family(f, devs, ndev, "bufbroker_device_vmm_allocations",
+		      "VMM allocations (slabs) the daemon holds on the device: an open file each.",
+		      DEV_VMM_ALLOCATIONS);
 
 	render_requests(f, mc);
 

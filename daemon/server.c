@@ -415,6 +415,10 @@ static int fd_budget(const server *s, const server_config *cfg, uint64_t *host_b
 		     size_t len)
 {
 	const broker_limits *l = &cfg->limits;
+	/* Each VMM CUDA allocation is an fd the daemon keeps (bounded by
+	 * max_vmm_allocations, which takes effect at start); none when CUDA
+	 * is not served. */
+	uint64_t vmm = s->cuda ? backend_cuda_config_of(s->cuda)->vmm_allocations : 0;
 	uint64_t fixed = s->fds_own + SERVER_FDS_SPARE + cfg->host_pool;
 	uint64_t conns = (uint64_t)l->connections * SERVER_FDS_PER_CONN;
 	if (fixed + conns >= s->nofile) {
@@ -429,6 +433,20 @@ static int fd_budget(const server *s, const server_config *cfg, uint64_t *host_b
 			 l->connections, conns, SERVER_FDS_PER_CONN, fixed, s->nofile, most);
 		return -1;
 	}
+	if (fixed + conns + vmm >= s->nofile) {
+		uint64_t most = s->nofile - fixed - conns - 1;
+		snprintf(why, len,
+			 "%" PRIu64 " VMM CUDA allocations (one each) and %" PRIu32
+			 " connections (%" PRIu64 ") need %" PRIu64
+			 " file descriptors with the %" PRIu64
+			 " the daemon keeps for itself, but its open-file limit (RLIMIT_NOFILE) is "
+			 "%" PRIu64 ": lower --max-cuda-vmm-allocations to at most %" PRIu64
+			 " (or --max-connections), or raise the limit (LimitNOFILE= in the unit, "
+			 "ulimit -n)",
+			 vmm, l->connections, conns, vmm + conns + fixed, fixed, s->nofile, most);
+		return -1;
+	}
+	fixed += vmm;
 	uint64_t room = s->nofile - fixed - conns;
 	if (l->host_buffers > room) {
 		snprintf(why, len,
@@ -467,9 +485,11 @@ static int fds_start(server *s, const server_config *cfg)
 	l.host_buffers = s->host_buffers;
 	broker_set_limits(s->b, &l);
 	log_info("event=open_files limit=%" PRIu64 " own=%" PRIu64 " spare=%d pool=%u "
-		 "connections=%" PRIu32 " per_connection=%d host_buffers=%" PRIu64 "%s",
-		 s->nofile, s->fds_own, SERVER_FDS_SPARE, cfg->host_pool, cfg->limits.connections,
-		 SERVER_FDS_PER_CONN, s->host_buffers,
+		 "vmm_allocations=%" PRIu64 " connections=%" PRIu32
+		 " per_connection=%d host_buffers=%" PRIu64 "%s",
+		 s->nofile, s->fds_own, SERVER_FDS_SPARE, cfg->host_pool,
+		 s->cuda ? backend_cuda_config_of(s->cuda)->vmm_allocations : 0,
+		 cfg->limits.connections, SERVER_FDS_PER_CONN, s->host_buffers,
 		 cfg->limits.host_buffers ? "" : " (what the limit leaves)");
 	return 0;
 }
@@ -583,6 +603,15 @@ static void server_submit(backend *be, backend_job *job)
 
 /* Load the driver and serve CUDA buffers, or say why not (in the log and
  * in every CUDA Alloc's answer). */
+/* "legacy", "auto", "vmm" or "none", for the log. */
+static const char *handle_name(int h)
+{
+	return h == BB_CUDA_HANDLE_LEGACY ? "legacy"
+	       : h == BB_CUDA_HANDLE_AUTO ? "auto"
+	       : h == BB_CUDA_HANDLE_VMM  ? "vmm"
+					  : "none";
+}
+
 static void start_cuda(server *s)
 {
 	char why[200] = "";
@@ -606,17 +635,18 @@ static void start_cuda(server *s)
 	char uuid[48];
 	int n = s->cuda->devices(s->cuda, devs, 64);
 	int v = backend_cuda_driver_version(s->cuda);
+	const backend_cuda_config *cc = backend_cuda_config_of(s->cuda);
 	log_info("event=cuda_ready library=\"%s\" driver=%d.%d devices=%d slab_bytes=%" PRIu64
-		 " cache_bytes=%" PRIu64,
-		 backend_cuda_library(s->cuda), v / 1000, v % 1000 / 10, n,
-		 backend_cuda_config_of(s->cuda)->slab_bytes,
-		 backend_cuda_config_of(s->cuda)->cache_bytes);
+		 " cache_bytes=%" PRIu64 " handle=%s forbid=%s max_vmm_allocations=%" PRIu64,
+		 backend_cuda_library(s->cuda), v / 1000, v % 1000 / 10, n, cc->slab_bytes,
+		 cc->cache_bytes, handle_name(cc->handle_default), handle_name(cc->handle_forbid),
+		 cc->vmm_allocations);
 	for (int i = 0; i < n; i++) {
 		bb_cuda_uuid_format(devs[i].uuid, uuid);
 		log_info("event=cuda_device ordinal=%d name=\"%s\" uuid=%s total_bytes=%llu "
-			 "free_bytes=%llu limit_bytes=%llu",
+			 "free_bytes=%llu limit_bytes=%llu vmm=%d vmm_unavailable=\"%s\"",
 			 devs[i].ordinal, devs[i].name, uuid, devs[i].total, devs[i].free,
-			 devs[i].limit);
+			 devs[i].limit, devs[i].vmm, devs[i].vmm_why);
 	}
 }
 
@@ -769,6 +799,10 @@ void server_reload(server *s, const server_config *cfg)
 		s->cfg.host_pool = cfg->host_pool;
 		backend_host_pool(s->host, cfg->host_pool, BACKEND_HOST_POOL_PER_CLASS_DEFAULT);
 	}
+	s->cfg.cuda.handle_default = cfg->cuda.handle_default;
+	s->cfg.cuda.handle_forbid = cfg->cuda.handle_forbid;
+	if (s->cuda)
+		backend_cuda_set_handles(s->cuda, &s->cfg.cuda);
 	broker_set_limits(s->b, &l);
 	conn_limits lim = limits_of(&s->cfg);
 	lim.max_datagram = s->conns.limits.max_datagram;

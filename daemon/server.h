@@ -76,7 +76,8 @@ typedef struct server_config {
  * The soft open-file limit (RLIMIT_NOFILE) is raised to the hard one, and
  * the fds that cfg's limits may make the daemon hold must fit in it: those
  * open once it is set up, SERVER_FDS_SPARE, the host memfd pool
- * (BACKEND_HOST_POOL_DEFAULT), SERVER_FDS_PER_CONN per connection
+ * (BACKEND_HOST_POOL_DEFAULT), the VMM CUDA allocations when CUDA is
+ * served (cuda.vmm_allocations), SERVER_FDS_PER_CONN per connection
  * (limits.connections) and one per host buffer (limits.host_buffers; 0
  * takes what is left). Otherwise it does not start, and the log says
  * which limit to lower. A new connection when the daemon is out of fds
@@ -107,10 +108,12 @@ int server_reload_check(const server *s, const server_config *cfg, char *why, si
  * broker limits (they apply to later requests; a lower limit takes nothing
  * back; check them with server_reload_check first), queue_bytes,
  * send_timeout_ms, conn_inflight, the allow-lists (checked when a
- * connection is accepted: open connections stay) and host_pool (a change
- * closes what the pool holds; it counts in the open-file budget). Every
- * other field of cfg is ignored: the socket, max_datagram and CUDA
- * settings take effect only at the next start. */
+ * connection is accepted: open connections stay), host_pool (a change
+ * closes what the pool holds; it counts in the open-file budget) and the
+ * CUDA handle policy (cuda.handle_default, cuda.handle_forbid: later
+ * allocs follow it). Every other field of cfg is ignored: the socket,
+ * max_datagram and the other CUDA settings take effect only at the next
+ * start. */
 void server_reload(server *s, const server_config *cfg);
 /* Whether the allow-lists of cfg admit a peer with these credentials: yes
  * when neither list is set, for uid 0 and the daemon's own uid, for a uid

@@ -86,6 +86,8 @@ level = loud
 listen = nowhere
 [cuda]
 enabled = maybe
+handle = sometimes
+forbid = auto
 EOF
 rc=0
 out=$("$BUFBROKERD" --check-config "$BAD" 2>&1) || rc=$?
@@ -106,9 +108,23 @@ expect "bad.conf:13: unknown section [nonsense]"
 expect "bad.conf:16: [log] level: \"loud\" is not a level"
 expect "bad.conf:18: [metrics] listen: \"nowhere\" is not ADDRESS:PORT"
 expect "bad.conf:20: [cuda] enabled: \"maybe\" is not true or false"
+expect "bad.conf:21: [cuda] handle: \"sometimes\" is not legacy, auto or vmm"
+expect "bad.conf:22: [cuda] forbid: \"auto\" is not none, legacy or vmm"
 grep -q "anything" <<<"$out" && fail "a key of an unknown section was reported on its own: $out"
-[[ $(grep -c "bad.conf:[0-9]" <<<"$out") -eq 12 ]] || fail "want exactly 12 problems reported: $out"
+[[ $(grep -c "bad.conf:[0-9]" <<<"$out") -eq 14 ]] || fail "want exactly 14 problems reported: $out"
 grep -q ": ok" <<<"$out" && fail "a bad file was called ok: $out"
+
+STEP="--check-config: a CUDA handle default that is forbidden"
+printf '[cuda]\nhandle = vmm\nforbid = vmm\n' >"$DIR/forbidden.conf"
+rc=0
+out=$("$BUFBROKERD" --check-config "$DIR/forbidden.conf" 2>&1) || rc=$?
+[[ $rc -eq 1 ]] || fail "a forbidden default was accepted (exit $rc): $out"
+expect "cuda-handle = vmm is forbidden by cuda-forbid = vmm"
+rc=0
+out=$("$BUFBROKERD" --socket "$DIR/never.sock" --config /dev/null --cuda-forbid legacy 2>&1) || rc=$?
+[[ $rc -eq 2 ]] || fail "bufbrokerd --cuda-forbid legacy (the default handle) exited $rc, want 2 (bad flags): $out"
+expect "cuda-handle = legacy is forbidden by cuda-forbid = legacy"
+[[ ! -e $DIR/never.sock ]] || fail "a daemon with a forbidden default made its socket"
 
 STEP="--check-config: unknown key alone"
 printf '[limits]\nuid_buffer = 5\n' >"$DIR/typo.conf"
@@ -168,6 +184,9 @@ enabled = yes
 slab_bytes = 2M
 cache_bytes = 6M
 device_bytes = 24M
+handle = auto
+forbid = legacy
+max_vmm_allocations = 8
 
 [log]
 level = debug
@@ -198,8 +217,8 @@ STEP="[cuda] enabled, slab_bytes, cache_bytes, device_bytes"
 [[ $(json "d['cuda']" <<<"$st") == "" ]] || fail "CUDA is not served: $st"
 [[ $(json "d['devices'][0]['limit_bytes']" <<<"$st") == 25165824 ]] ||
 	fail "device limit is not 24M: $st"
-grep -q "event=cuda_ready .*slab_bytes=2097152 cache_bytes=6291456" "$LOG" ||
-	fail "the CUDA backend did not get slab_bytes=2M cache_bytes=6M"
+grep -q "event=cuda_ready .*slab_bytes=2097152 cache_bytes=6291456 handle=auto forbid=legacy max_vmm_allocations=8" "$LOG" ||
+	fail "the CUDA backend did not get slab_bytes=2M cache_bytes=6M handle=auto forbid=legacy max_vmm_allocations=8"
 
 STEP="[log] level = debug"
 grep -q "level=debug event=hello" "$LOG" || fail "no debug line for the CLI's Hello"
@@ -279,14 +298,28 @@ refuse_nofile 512 --config /dev/null
 expect "1024 connections need 9216 file descriptors (9 each) on top of the "
 expect "but its open-file limit (RLIMIT_NOFILE) is 512: lower --max-connections to at most "
 
+STEP="the open-file budget: VMM CUDA allocations that do not fit"
+refuse_nofile 512 --config /dev/null --max-connections 16
+expect "1024 VMM CUDA allocations (one each) and 16 connections (144) need "
+expect "lower --max-cuda-vmm-allocations to at most "
+vmm_most=$(sed -n 's/.*lower --max-cuda-vmm-allocations to at most \([0-9]*\) .*/\1/p' <<<"$out")
+[[ $vmm_most =~ ^[0-9]+$ && $vmm_most -gt 0 ]] || fail "no number to lower --max-cuda-vmm-allocations to: $out"
+start_nofile 512 nofile-vmm --config /dev/null --socket "$SOCK" --max-connections 16 \
+	--max-cuda-vmm-allocations "$vmm_most"
+grep -q "event=open_files limit=512 .*vmm_allocations=$vmm_most connections=16 .*host_buffers=[0-9]* (what the limit leaves)$" "$LOG" ||
+	fail "the open_files line does not show the VMM allocations: $(grep open_files "$LOG")"
+stop
+
+# The host-buffer steps below serve no CUDA: its VMM allocations' fds
+# would take the room these count.
 STEP="the open-file budget: host buffers that do not fit"
-refuse_nofile 512 --config /dev/null --max-connections 16 --max-host-buffers 1000
+refuse_nofile 512 --config /dev/null --no-cuda --max-connections 16 --max-host-buffers 1000
 expect "1000 host buffers (one each) and 16 connections (144) need "
 most=$(sed -n 's/.*lower --max-host-buffers to at most \([0-9]*\) .*/\1/p' <<<"$out")
 [[ $most =~ ^[0-9]+$ && $most -gt 0 ]] || fail "no number to lower --max-host-buffers to: $out"
 
 STEP="the open-file budget: the number it names fits, and is enforced"
-start_nofile 512 nofile --config /dev/null --socket "$SOCK" --max-connections 16 \
+start_nofile 512 nofile --config /dev/null --no-cuda --socket "$SOCK" --max-connections 16 \
 	--max-host-buffers "$most"
 grep -q "event=open_files limit=512 .*connections=16 per_connection=9 host_buffers=$most$" "$LOG" ||
 	fail "the open_files line does not show the budget: $(grep open_files "$LOG")"
@@ -301,7 +334,7 @@ stop
 
 STEP="the open-file budget: a reload whose limits do not fit changes nothing"
 printf '[limits]\nmax_connections = 16\nmax_host_buffers = 0\n' >"$DIR/nofile.conf"
-start_nofile 512 nofile-hup --config "$DIR/nofile.conf" --socket "$SOCK"
+start_nofile 512 nofile-hup --config "$DIR/nofile.conf" --no-cuda --socket "$SOCK"
 auto=$(sed -n 's/.*event=open_files .* host_buffers=\([0-9]*\) (what the limit leaves)$/\1/p' "$LOG")
 [[ $auto =~ ^[0-9]+$ && $auto -gt 0 ]] || fail "max_host_buffers = 0 is not what the limit leaves: $(grep open_files "$LOG")"
 printf '[limits]\nmax_connections = 1000\nmax_host_buffers = 0\n' >"$DIR/nofile.conf"
@@ -328,12 +361,13 @@ line=$(grep "event=open_files " "$LOG") || fail "no open_files line"
 field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$line"; }
 own=$(field own) spare=$(field spare) pool=$(field pool) conns=$(field connections)
 per=$(field per_connection) host=$(field host_buffers) limit=$(field limit)
-[[ $conns == 1024 && $per == 9 && $pool == 64 && $spare == 256 ]] ||
+vmm=$(field vmm_allocations)
+[[ $conns == 1024 && $per == 9 && $pool == 64 && $spare == 256 && $vmm == 1024 ]] ||
 	fail "the defaults are not what OPERATIONS.md says: $line"
-((host == limit - own - spare - pool - conns * per)) ||
+((host == limit - own - spare - pool - vmm - conns * per)) ||
 	fail "host_buffers is not what the limit leaves, as OPERATIONS.md sums it: $line"
 stop
-unit_host=$((unit_nofile - own - spare - pool - conns * per))
+unit_host=$((unit_nofile - own - spare - pool - vmm - conns * per))
 # More than one uid's --uid-buffers: one user cannot take every host buffer.
 ((unit_host > 65536)) ||
 	fail "with LimitNOFILE=$unit_nofile the defaults leave $unit_host host buffers, want > 65536"

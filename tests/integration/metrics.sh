@@ -283,6 +283,13 @@ PYEOF
 	[[ $(value "bufbroker_device_free_bytes{$dev}") =~ ^[0-9]+$ ]] || fail "no device_free_bytes"
 	expect 'bufbroker_buffers{kind="cuda"}' 1
 	expect 'bufbroker_buffer_bytes{kind="cuda"}' $((1 << 20))
+	# The daemon's default handle kind is legacy; the fake device can do VMM.
+	expect 'bufbroker_cuda_buffers{handle="legacy"}' 1
+	expect 'bufbroker_cuda_buffer_bytes{handle="legacy"}' $((1 << 20))
+	expect 'bufbroker_cuda_buffers{handle="vmm"}' 0
+	expect 'bufbroker_cuda_buffer_bytes{handle="vmm"}' 0
+	expect "bufbroker_device_vmm{$dev}" 1
+	expect "bufbroker_device_vmm_allocations{$dev}" 0
 	expect "bufbroker_uid_bytes{uid=\"$UID_NOW\",kind=\"cuda\"}" $((1 << 20))
 	expect 'bufbroker_refused_total{limit="device_bytes"}' 1
 	# The first alloc parked while its slab was made: counted once, when answered.
