@@ -27,7 +27,8 @@ _Static_assert(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS == 1, "IPC flag");
 _Static_assert(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED == 102 &&
 		       CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED == 103,
 	       "device attributes");
-_Static_assert(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == 1 && CU_MEM_ACCESS_FLAGS_PROT_READWRITE == 3 &&
+_Static_assert(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == 1 &&
+		       CU_MEM_ACCESS_FLAGS_PROT_READWRITE == 3 &&
 		       CU_MEM_LOCATION_TYPE_DEVICE == 1 && CU_MEM_ALLOCATION_TYPE_PINNED == 1 &&
 		       CU_MEM_ALLOC_GRANULARITY_MINIMUM == 0 &&
 		       CU_MEM_ALLOC_GRANULARITY_RECOMMENDED == 1,
@@ -135,9 +136,10 @@ int bb_cuda_has_vmm(const bb_cuda *api, char *why, size_t whylen)
 		memcpy(&fn, (const char *)api + syms[i].offset, sizeof(fn));
 		if (!fn) {
 			if (why)
-				snprintf(why, whylen,
-					 "the CUDA driver %s lacks %s (too old for VMM allocations)",
-					 bb_cuda_library_path(), syms[i].name);
+				snprintf(
+					why, whylen,
+					"the CUDA driver %s lacks %s (too old for VMM allocations)",
+					bb_cuda_library_path(), syms[i].name);
 			return 0;
 		}
 	}

@@ -129,8 +129,7 @@ typedef struct bb_cuda {
 					       CUmemAllocationHandleType type,
 					       unsigned long long flags);
 	CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle *handle,
-						 void *os_handle,
-						 CUmemAllocationHandleType type);
+						 void *os_handle, CUmemAllocationHandleType type);
 	CUresult (*MemAddressReserve)(CUdeviceptr *ptr, size_t size, size_t alignment,
 				      CUdeviceptr addr, unsigned long long flags);
 	CUresult (*MemAddressFree)(CUdeviceptr ptr, size_t size);

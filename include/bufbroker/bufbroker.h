@@ -191,8 +191,7 @@ int bb_alloc(bb_client *c, const bb_alloc_opts *opts, bb_buf **out);
  * LEGACY ones. VMM from a daemon older than protocol 1.2 (which would
  * ignore the kind): BB_ERR_UNSUPPORTED, not sent; a handle out of range:
  * BB_ERR_INVALID. */
-int bb_alloc_cuda(bb_client *c, const bb_alloc_opts *opts, bb_cuda_handle handle,
-		  bb_buf **out);
+int bb_alloc_cuda(bb_client *c, const bb_alloc_opts *opts, bb_cuda_handle handle, bb_buf **out);
 /* One more reference to an existing buffer (coalesced per connection: an id
  * this connection already holds returns the same handle, one more count).
  * No such buffer (or name): BB_ERR_NOT_FOUND; its share policy does not

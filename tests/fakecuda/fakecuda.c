@@ -13,11 +13,17 @@
  *   The device address is a PROT_NONE reservation of the same length: host
  *   code that dereferences a device pointer faults, as it would with a GPU.
  *   The fake's copies go through a second, writable mapping.
+ * - VMM memory (cuMemCreate) is a memfd per physical allocation: its
+ *   exported fd crosses SCM_RIGHTS, and cuMemMap of it in another process
+ *   shows the same bytes through a reservation like a device pointer's.
  * - Each device's memory is accounted in one small shm object per
- *   namespace (FAKECUDA_NAMESPACE): a table of (pid, bytes) under flock(),
- *   which the kernel releases when a holder dies. A dead process's bytes
- *   count as free (the driver frees a process's memory when it exits) and
- *   its objects are unlinked when the next allocation reclaims its slot.
+ *   namespace (FAKECUDA_NAMESPACE) under flock(): a table of process slots
+ *   (bytes of cuMemAlloc) and one of VMM allocations (each counted once
+ *   while any living process holds it). A slot lives while its process
+ *   holds an OFD lock on it, which the kernel drops when the process dies,
+ *   whatever PID namespace it is in. A dead process's bytes count as free
+ *   (the driver frees a process's memory when it exits) and its objects
+ *   are unlinked when the next allocation reclaims its slot.
  * - Per-process state sits behind one rwlock (copies hold it shared); the
  *   current context is per thread. A process forked after cuInit gets
  *   CUDA_ERROR_NOT_INITIALIZED from every call, as from the driver.
