@@ -80,9 +80,13 @@ static void cuda_env(const char *fake_memory)
 	unsetenv("FAKECUDA_LEGACY_IPC_NAMESPACE");
 	g_vmm = bbt_cuda_handle() && strcmp(bbt_cuda_handle(), "vmm") == 0;
 	if (fake && fake[0]) {
+		const char *count = getenv("BB_CUDACOUNT");
+
 		g_fake = true;
 		snprintf(ns, sizeof(ns), "bbt%d_%d", (int)getpid(), ++seq);
-		setenv("BUFBROKER_CUDA_LIBRARY", fake, 1);
+		/* With VMM buffers, through the fake that counts its VMM calls
+		 * (tests/integration/cudacount.c). */
+		setenv("BUFBROKER_CUDA_LIBRARY", g_vmm && count && count[0] ? count : fake, 1);
 		setenv("FAKECUDA_NAMESPACE", ns, 1);
 		setenv("FAKECUDA_DEVICES", "2", 1);
 		if (fake_memory)
@@ -341,7 +345,7 @@ static int cu_load(struct cu *cu, const unsigned char *uuid)
 	cu->stats =
 		(void (*)(unsigned long *, unsigned long *))dlsym(cu->api.lib, "fakecuda_stats");
 	cu->vmm_stats = (void (*)(unsigned long *, unsigned long *, unsigned long *))dlsym(
-		cu->api.lib, "fakecuda_vmm_stats");
+		cu->api.lib, "cudacount_vmm_stats");
 	cu->pointer_device = (int (*)(CUdeviceptr, unsigned char *))dlsym(
 		cu->api.lib, "fakecuda_pointer_device");
 	cu->open_context_device = (int (*)(CUdeviceptr, unsigned char *))dlsym(
@@ -391,7 +395,8 @@ static int cu_stats(const struct cu *cu, unsigned long *opens, unsigned long *cl
 	}
 	if (!cu->vmm_stats) {
 		if (g_fake)
-			fprintf(stderr, "test child: libfakecuda lacks fakecuda_vmm_stats\n");
+			fprintf(stderr, "test child: the driver is not libcudacount.so "
+					"($BB_CUDACOUNT): VMM calls are not counted\n");
 		return g_fake ? -1 : 0;
 	}
 	cu->vmm_stats(&imports, opens, closes);
