@@ -477,45 +477,15 @@ void bbc_cuda_vmm_unuse(struct vmm_slab *s)
 	pthread_mutex_unlock(&cuda.mu);
 }
 
-/* bb_map of a VMM CUDA buffer (bbc_cuda_map). */
-static int vmm_map(bb_buf *b, void **ptr_out)
-{
-	struct vmm_slab *s;
-	void *p;
-	int rc = 0;
-
-	if (!b->has_vmm)
-		return bbc_fail(BB_ERR_PROTOCOL,
-				"bufbrokerd sent no allocation for VMM CUDA buffer %" PRIu64,
-				b->id);
-	rc = cuda_require();
-	if (rc)
-		return rc;
-	if (!cuda.vmm)
-		return bbc_fail(BB_ERR_UNSUPPORTED,
-				"buffer %" PRIu64 " is a VMM CUDA buffer, which cannot be mapped "
-				"here: %s",
-				b->id, cuda.vmm_why);
-	pthread_mutex_lock(&b->map_mu);
-	p = atomic_load_explicit(&b->map, memory_order_relaxed);
-	if (!p) {
-		rc = vmm_open(b, &s);
-		if (rc == 0) {
-			b->vmap = s;
-			p = (void *)(uintptr_t)(s->base + b->ipc_offset);
-			atomic_store_explicit(&b->map, p, memory_order_release);
-		}
-	}
-	pthread_mutex_unlock(&b->map_mu);
-	*ptr_out = p;
-	return rc;
-}
-
-/* bb_map of a CUDA buffer: the device pointer, opening its allocation on
- * the first map of this handle. */
+/* bb_map of a CUDA buffer: the device pointer, opening (legacy) or
+ * importing and mapping (VMM) its allocation on the first map of this
+ * handle. */
 int bbc_cuda_map(bb_buf *b, void **ptr_out)
 {
+	int vmm = b->handle == BB_CUDA_HANDLE_VMM;
 	struct cuda_alloc *a;
+	struct vmm_slab *s;
+	CUdeviceptr base = 0;
 	void *p;
 	int rc = 0;
 
@@ -524,21 +494,35 @@ int bbc_cuda_map(bb_buf *b, void **ptr_out)
 		*ptr_out = p;
 		return 0;
 	}
-	if (b->handle == BB_CUDA_HANDLE_VMM)
-		return vmm_map(b, ptr_out);
-	if (!b->has_ipc)
-		return bbc_fail(BB_ERR_PROTOCOL,
-				"bufbrokerd sent no IPC handle for CUDA buffer %" PRIu64, b->id);
+	if (vmm ? !b->has_vmm : !b->has_ipc)
+		return bbc_fail(BB_ERR_PROTOCOL, "bufbrokerd sent no %s for CUDA buffer %" PRIu64,
+				vmm ? "allocation" : "IPC handle", b->id);
 	rc = cuda_require();
 	if (rc)
 		return rc;
+	if (vmm && !cuda.vmm)
+		return bbc_fail(BB_ERR_UNSUPPORTED,
+				"buffer %" PRIu64 " is a VMM CUDA buffer, which cannot be mapped "
+				"here: %s",
+				b->id, cuda.vmm_why);
 	pthread_mutex_lock(&b->map_mu);
 	p = atomic_load_explicit(&b->map, memory_order_relaxed);
 	if (!p) {
-		rc = cuda_open(b, &a);
+		if (vmm) {
+			rc = vmm_open(b, &s);
+			if (rc == 0) {
+				b->vmap = s;
+				base = s->base;
+			}
+		} else {
+			rc = cuda_open(b, &a);
+			if (rc == 0) {
+				b->cmap = a;
+				base = a->base;
+			}
+		}
 		if (rc == 0) {
-			b->cmap = a;
-			p = (void *)(uintptr_t)(a->base + b->ipc_offset);
+			p = (void *)(uintptr_t)(base + b->ipc_offset);
 			atomic_store_explicit(&b->map, p, memory_order_release);
 		}
 	}
@@ -547,21 +531,33 @@ int bbc_cuda_map(bb_buf *b, void **ptr_out)
 	return rc;
 }
 
-BB_EXPORT int bb_cuda_ipc_of(bb_buf *b, bb_cuda_ipc *out)
+int bbc_cuda_handle_check(const bb_buf *b, bb_cuda_handle want)
 {
-	if (!b || !out)
-		return bbc_fail(BB_ERR_INVALID, "bb_cuda_ipc_of: buffer and out are required");
 	if (b->kind != BB_CUDA)
 		return bbc_fail(BB_ERR_INVALID, "buffer %" PRIu64 " is not a CUDA buffer", b->id);
-	if (b->handle == BB_CUDA_HANDLE_VMM)
-		return bbc_fail(BB_ERR_UNSUPPORTED,
-				"buffer %" PRIu64
-				" is a VMM CUDA buffer: it has a file descriptor (bb_cuda_vmm_of), "
-				"not an IPC handle",
-				b->id);
-	if (!b->has_ipc)
-		return bbc_fail(BB_ERR_PROTOCOL,
-				"bufbrokerd sent no IPC handle for CUDA buffer %" PRIu64, b->id);
+	if (b->handle != want)
+		return bbc_fail(
+			BB_ERR_UNSUPPORTED,
+			"buffer %" PRIu64 " is a %s CUDA buffer: it has %s (%s), not %s", b->id,
+			b->handle == BB_CUDA_HANDLE_VMM ? "VMM" : "legacy",
+			b->handle == BB_CUDA_HANDLE_VMM ? "a file descriptor" : "an IPC handle",
+			b->handle == BB_CUDA_HANDLE_VMM ? "bb_cuda_vmm_of" : "bb_cuda_ipc_of",
+			want == BB_CUDA_HANDLE_VMM ? "a file descriptor" : "an IPC handle");
+	if (want == BB_CUDA_HANDLE_VMM ? !b->has_vmm : !b->has_ipc)
+		return bbc_fail(BB_ERR_PROTOCOL, "bufbrokerd sent no %s for CUDA buffer %" PRIu64,
+				want == BB_CUDA_HANDLE_VMM ? "allocation" : "IPC handle", b->id);
+	return 0;
+}
+
+BB_EXPORT int bb_cuda_ipc_of(bb_buf *b, bb_cuda_ipc *out)
+{
+	int rc;
+
+	if (!b || !out)
+		return bbc_fail(BB_ERR_INVALID, "bb_cuda_ipc_of: buffer and out are required");
+	rc = bbc_cuda_handle_check(b, BB_CUDA_HANDLE_LEGACY);
+	if (rc)
+		return rc;
 	memset(out, 0, sizeof(*out));
 	memcpy(out->handle, b->ipc_handle, BB_IPC_HANDLE_SIZE);
 	out->offset = b->ipc_offset;

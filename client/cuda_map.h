@@ -23,6 +23,12 @@ int bbc_cuda_map(bb_buf *b, void **ptr_out);
  * caller may then send the Release that lets the daemon free it. */
 void bbc_cuda_unuse(struct cuda_alloc *a);
 
+/* 0 when b is a CUDA buffer of handle kind want whose grant said where it
+ * lives; else BB_ERR_INVALID (not CUDA), BB_ERR_UNSUPPORTED (the other
+ * kind, naming its accessor) or BB_ERR_PROTOCOL, with the last error set:
+ * what bb_cuda_ipc_of and bb_cuda_vmm_of answer first. */
+int bbc_cuda_handle_check(const bb_buf *b, bb_cuda_handle want);
+
 /* Drop one use of s (a VMM handle's b->vmap, once per handle); the last
  * one unmaps the allocation, frees its address range and releases its
  * handle in this process. */

@@ -4,6 +4,7 @@
  * bb_cuda_handle_of.
  */
 #include "vmm_fd.h"
+#include "cuda_map.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -177,18 +178,9 @@ BB_EXPORT int bb_cuda_vmm_of(bb_buf *b, bb_cuda_vmm *out)
 
 	if (!b || !out)
 		return bbc_fail(BB_ERR_INVALID, "bb_cuda_vmm_of: buffer and out are required");
-	if (b->kind != BB_CUDA)
-		return bbc_fail(BB_ERR_INVALID, "buffer %" PRIu64 " is not a CUDA buffer", b->id);
-	if (b->handle != BB_CUDA_HANDLE_VMM)
-		return bbc_fail(BB_ERR_UNSUPPORTED,
-				"buffer %" PRIu64
-				" is a legacy CUDA buffer: it has an IPC handle (bb_cuda_ipc_of), "
-				"not a file descriptor",
-				b->id);
-	if (!b->has_vmm)
-		return bbc_fail(BB_ERR_PROTOCOL,
-				"bufbrokerd sent no allocation for VMM CUDA buffer %" PRIu64,
-				b->id);
+	rc = bbc_cuda_handle_check(b, BB_CUDA_HANDLE_VMM);
+	if (rc)
+		return rc;
 	rc = bbc_vmm_fd_get(b, &fd, &owned);
 	if (rc)
 		return rc;

@@ -1598,38 +1598,38 @@ static int refetch_child(void *arg)
 	return 0;
 }
 
-/* Both VMM buffers of one allocation, the second written with x->seed. */
-static void two_in_one_allocation(bb_client *c, struct ctx *x, bb_buf **b)
-{
-	b[0] = alloc_handle(c, 4096, BB_CUDA_HANDLE_VMM);
-	b[1] = alloc_handle(c, x->size, BB_CUDA_HANDLE_VMM);
-	where w0, w1;
-	cr_assert_eq(where_get(b[0], &w0), 0);
-	cr_assert_eq(where_get(b[1], &w1), 0);
-	cr_assert(same_slab(&w0, &w1), "two small VMM buffers in different allocations");
-	x->ids[0] = bb_id(b[0]);
-	x->ids[1] = bb_id(b[1]);
-	struct ctx y = *x;
-	y.ids[0] = x->ids[1];
-	run_child(writer_child, &y, "the writer");
-}
-
-Test(cuda, a_vmm_grant_that_came_without_the_fd_it_needs_maps_through_allocation_fd)
+/* Two VMM buffers of one allocation, ids[0] and ids[1] (written with
+ * seed) for child to use; then nothing of them is left behind. */
+static void two_in_one_allocation(int (*child)(void *), uint32_t seed, const char *what)
 {
 	cuda_env(NULL);
 	bbt_daemon *d = bbt_start(NULL);
 	bb_client *c = bbt_connect(d);
 	devstat s = dev_status_ok(c);
-	struct ctx x = {.sock = d->sock, .size = 65536, .seed = 0xfd0};
-	bb_buf *b[2];
+	struct ctx x = {.sock = d->sock, .size = 65536, .seed = seed};
+	where w0, w1;
 
 	memcpy(x.uuid, dev_of(&s, 0)->uuid, 16);
-	two_in_one_allocation(c, &x, b);
-	run_child(refetch_child, &x, "the client that let the fd go");
-	unref_gone(c, b[0]);
-	unref_gone(c, b[1]);
+	bb_buf *b0 = alloc_handle(c, 4096, BB_CUDA_HANDLE_VMM);
+	bb_buf *b1 = alloc_handle(c, x.size, BB_CUDA_HANDLE_VMM);
+	cr_assert_eq(where_get(b0, &w0), 0);
+	cr_assert_eq(where_get(b1, &w1), 0);
+	cr_assert(same_slab(&w0, &w1), "two small VMM buffers in different allocations");
+	x.ids[0] = bb_id(b1);
+	run_child(writer_child, &x, "the writer");
+	x.ids[0] = bb_id(b0);
+	x.ids[1] = bb_id(b1);
+	run_child(child, &x, what);
+	cr_assert_eq(bbt_refs_until(c, x.ids[1], 1, 2000), 1, "%s left counts", what);
+	unref_gone(c, b0);
+	unref_gone(c, b1);
 	bb_disconnect(c);
 	bbt_stop_clean(d);
+}
+
+Test(cuda, a_vmm_grant_that_came_without_the_fd_it_needs_maps_through_allocation_fd)
+{
+	two_in_one_allocation(refetch_child, 0xfd0, "the client that let the fd go");
 }
 
 /* One thread drops the connection's last handle of an allocation while
@@ -1709,21 +1709,7 @@ static int race_child(void *arg)
 
 Test(cuda, dropping_an_allocations_last_handle_while_adopting_another_buffer_of_it_loses_no_fd)
 {
-	cuda_env(NULL);
-	bbt_daemon *d = bbt_start(NULL);
-	bb_client *c = bbt_connect(d);
-	devstat s = dev_status_ok(c);
-	struct ctx x = {.sock = d->sock, .size = 65536, .seed = 0x4ace};
-	bb_buf *b[2];
-
-	memcpy(x.uuid, dev_of(&s, 0)->uuid, 16);
-	two_in_one_allocation(c, &x, b);
-	run_child(race_child, &x, "the racing client");
-	cr_assert_eq(bbt_refs_until(c, x.ids[1], 1, 2000), 1, "the racing client left counts");
-	unref_gone(c, b[0]);
-	unref_gone(c, b[1]);
-	bb_disconnect(c);
-	bbt_stop_clean(d);
+	two_in_one_allocation(race_child, 0x4ace, "the racing client");
 }
 
 /* ---- containers: a consumer in a PID namespace of its own -------------------------- */
