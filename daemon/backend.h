@@ -111,6 +111,10 @@ struct backend {
 	 * sizes as asked for, from the backend's own books: the invariant
 	 * check compares them with the broker's totals. May be NULL. */
 	void (*usage)(backend *be, uint64_t *buffers, uint64_t *bytes);
+	/* The backend's own invariants (for Check): appends one line per
+	 * problem to report (cap bytes, NUL-terminated) and returns how many.
+	 * May be NULL. */
+	int (*check)(backend *be, char *report, size_t cap);
 	/* Set by the server: run job off the loop thread. NULL: the backend
 	 * runs work and done inline (unit tests). */
 	void (*submit)(backend *be, backend_job *job);

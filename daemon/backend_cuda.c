@@ -27,7 +27,9 @@
  * buffers that disconnects frees them all in hash order). An empty slab
  * has exactly one free extent.
  */
+#include <fcntl.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -148,6 +150,7 @@ struct cuda_backend {
 	uint32_t jobs;            /* jobs in flight */
 	slab *by_allocation;      /* VMM slabs by identity (AllocationFd) */
 	uint64_t vmm_allocations; /* VMM slabs held, all devices: each is an fd */
+	uint64_t vmm_freeing;     /* ... of them being freed (free jobs in flight) */
 };
 
 /* Allocate a new slab (work) and add it to its pool (done). */
@@ -293,8 +296,10 @@ static void free_done(backend_job *job)
 	 * drop it either way so the limit does not shrink for ever. */
 	f->dev->reserved -= f->size;
 	f->dev->freeing -= f->size;
-	if (f->vmm)
+	if (f->vmm) {
 		vmm_count(cu, f->dev, -1);
+		cu->vmm_freeing--;
+	}
 	cu->jobs--;
 	free(f);
 }
@@ -335,6 +340,8 @@ static void slab_release(cuda_backend *cu, slab *s)
 		f->vmm = s->fd >= 0;
 		f->mh = s->mh;
 		f->fd = s->fd;
+		if (f->vmm)
+			cu->vmm_freeing++;
 		submit(cu, &f->job);
 	} else {
 		/* No memory for a job: free it here, on the loop thread. */
@@ -1002,6 +1009,91 @@ static void cuda_usage(backend *be, uint64_t *buffers, uint64_t *bytes)
 	*bytes = sz;
 }
 
+/* Append one problem line to report. */
+static void check_line(char *report, size_t cap, int *problems, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+
+static void check_line(char *report, size_t cap, int *problems, const char *fmt, ...)
+{
+	size_t used = strnlen(report, cap);
+	(*problems)++;
+	if (used + 1 >= cap)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(report + used, cap - used, fmt, ap);
+	va_end(ap);
+	used = strnlen(report, cap);
+	if (used + 1 < cap) {
+		report[used] = '\n';
+		report[used + 1] = '\0';
+	}
+}
+
+/* Each slab is of its pool's kind: a VMM one keeps an open fd and is found
+ * by its identity, a legacy one has no fd; the VMM allocations counted are
+ * the VMM slabs plus those being made and freed, within the bound. */
+static int cuda_check(backend *be, char *report, size_t cap)
+{
+	cuda_backend *cu = be->ctx;
+	int problems = 0;
+	uint64_t vmm = 0, growing = 0;
+	if (cap)
+		report[0] = '\0';
+	pool *p, *ptmp;
+	HASH_ITER (hh, cu->pools, p, ptmp) {
+		bool is_vmm = p->key.handle == BB_CUDA_HANDLE_VMM;
+		for (const grow_job *g = p->growing; g; g = g->next)
+			if (g->vmm)
+				growing++;
+		const slab *s;
+		DL_FOREACH (p->slabs, s) {
+			if (!is_vmm) {
+				if (s->fd != -1)
+					check_line(report, cap, &problems,
+						   "legacy CUDA allocation %" PRIu64 " has fd %d",
+						   s->allocation, s->fd);
+				continue;
+			}
+			vmm++;
+			slab *found;
+			HASH_FIND(hh, cu->by_allocation, &s->allocation, sizeof(s->allocation),
+				  found);
+			if (found != s)
+				check_line(report, cap, &problems,
+					   "VMM CUDA allocation %" PRIu64
+					   " is not found by its identity",
+					   s->allocation);
+			if (s->fd < 0 || fcntl(s->fd, F_GETFD) < 0)
+				check_line(report, cap, &problems,
+					   "VMM CUDA allocation %" PRIu64 " has no open fd (%d)",
+					   s->allocation, s->fd);
+		}
+	}
+	if (HASH_COUNT(cu->by_allocation) != vmm)
+		check_line(report, cap, &problems,
+			   "%u VMM CUDA allocations are indexed by identity, %" PRIu64 " live",
+			   HASH_COUNT(cu->by_allocation), vmm);
+	if (vmm + growing + cu->vmm_freeing != cu->vmm_allocations)
+		check_line(report, cap, &problems,
+			   "%" PRIu64 " VMM CUDA allocations are counted; %" PRIu64
+			   " live, %" PRIu64 " being made, %" PRIu64 " being freed",
+			   cu->vmm_allocations, vmm, growing, cu->vmm_freeing);
+	if (cu->vmm_allocations > cu->cfg.vmm_allocations)
+		check_line(report, cap, &problems,
+			   "%" PRIu64 " VMM CUDA allocations are held; the bound is %" PRIu64,
+			   cu->vmm_allocations, cu->cfg.vmm_allocations);
+	uint64_t sum = 0;
+	for (int i = 0; i < cu->ndev; i++)
+		sum += cu->devs[i].vmm_allocations;
+	if (sum != cu->vmm_allocations)
+		check_line(report, cap, &problems,
+			   "the devices count %" PRIu64
+			   " VMM CUDA allocations, the backend %" PRIu64,
+			   sum, cu->vmm_allocations);
+	return problems;
+}
+
 static void cuda_destroy(backend *be)
 {
 	cuda_backend *cu = be->ctx;
@@ -1237,6 +1329,7 @@ backend *backend_cuda_new(const backend_cuda_config *cfg, char *why, size_t whyl
 	cu->be.destroy = cuda_destroy;
 	cu->be.devices = cuda_devices;
 	cu->be.usage = cuda_usage;
+	cu->be.check = cuda_check;
 	return &cu->be;
 
 err_devices:

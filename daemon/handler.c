@@ -278,6 +278,15 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 	int rc = broker_alloc(r->c->h->b, r->c->bc, &req, &buf, &err);
 	if (rc == BACKEND_GROW)
 		return rc;
+	if (rc == BB_ERR_UNSUPPORTED && r->c->minor < 2 && kind == BB_CUDA &&
+	    strstr(err.msg, "(cuda-forbid = legacy)")) {
+		/* Say why the other kind would not do either. */
+		size_t n = strlen(err.msg);
+		snprintf(err.msg + n, sizeof(err.msg) - n,
+			 "; this client speaks protocol 1.%u, which maps legacy CUDA buffers "
+			 "only: upgrade libbufbroker",
+			 r->c->minor);
+	}
 	if (rc) {
 		reply_error(r, rc, err.msg);
 		return rc;
@@ -817,6 +826,10 @@ static int check_edges(handler *h, char *report, size_t cap)
 				 " bytes) but no %s backend serves them",
 				 t.buffers[k], kind, t.bytes[k], kind);
 		} else if (be && be->usage) {
+			if (be->check) {
+				size_t used = strlen(report);
+				problems += be->check(be, report + used, cap - used);
+			}
 			be->usage(be, &n, &bytes);
 			if (n == t.buffers[k] && bytes == t.bytes[k])
 				continue;

@@ -171,6 +171,35 @@ struct dev_shared {
 	} vmm[VMM_ENTRIES];
 };
 
+/* The calls fakecuda_vmm_calls counts, by name. */
+enum {
+	VC_ATTRIBUTE,
+	VC_GRANULARITY,
+	VC_CREATE,
+	VC_RELEASE,
+	VC_EXPORT,
+	VC_IMPORT,
+	VC_RESERVE,
+	VC_ADDRESS_FREE,
+	VC_MAP,
+	VC_UNMAP,
+	VC_SET_ACCESS,
+	VC_COUNT
+};
+static const char *const vmm_call_names[VC_COUNT] = {
+	[VC_ATTRIBUTE] = "cuDeviceGetAttribute",
+	[VC_GRANULARITY] = "cuMemGetAllocationGranularity",
+	[VC_CREATE] = "cuMemCreate",
+	[VC_RELEASE] = "cuMemRelease",
+	[VC_EXPORT] = "cuMemExportToShareableHandle",
+	[VC_IMPORT] = "cuMemImportFromShareableHandle",
+	[VC_RESERVE] = "cuMemAddressReserve",
+	[VC_ADDRESS_FREE] = "cuMemAddressFree",
+	[VC_MAP] = "cuMemMap",
+	[VC_UNMAP] = "cuMemUnmap",
+	[VC_SET_ACCESS] = "cuMemSetAccess",
+};
+
 enum { ST_UNINIT, ST_READY, ST_FORKED };
 
 static struct {
@@ -184,16 +213,17 @@ static struct {
 	struct fake_ctx ctx[MAX_DEVICES]; /* primary contexts, by physical device */
 	int devfd[MAX_DEVICES];           /* accounting objects, by physical device */
 	struct dev_shared *dev[MAX_DEVICES];
-	struct fake_map *maps;      /* allocations, opened handles, VMM mappings */
-	struct fake_alloc *allocs;  /* VMM allocation handles */
-	struct fake_resv *resvs;    /* VMM address reservations */
-	uint64_t vmm_fd;            /* physical devices with POSIX-fd export (bit i) */
-	int myslot[MAX_DEVICES];    /* this process's accounting slot per device, or -1 */
-	uint32_t token;             /* this process's token: names its shm objects */
-	uint64_t pidns;             /* inode of /proc/self/ns/pid, 0: unknown */
-	bool strict_ns;             /* FAKECUDA_LEGACY_IPC_NAMESPACE=strict */
-	uint64_t serial;            /* mixed into shm names */
-	atomic_ulong opens, closes; /* successful cuIpcOpen/CloseMemHandle */
+	struct fake_map *maps;            /* allocations, opened handles, VMM mappings */
+	struct fake_alloc *allocs;        /* VMM allocation handles */
+	struct fake_resv *resvs;          /* VMM address reservations */
+	uint64_t vmm_fd;                  /* physical devices with POSIX-fd export (bit i) */
+	int myslot[MAX_DEVICES];          /* this process's accounting slot per device, or -1 */
+	uint32_t token;                   /* this process's token: names its shm objects */
+	uint64_t pidns;                   /* inode of /proc/self/ns/pid, 0: unknown */
+	bool strict_ns;                   /* FAKECUDA_LEGACY_IPC_NAMESPACE=strict */
+	uint64_t serial;                  /* mixed into shm names */
+	atomic_ulong opens, closes;       /* successful cuIpcOpen/CloseMemHandle */
+	atomic_ulong vmm_calls[VC_COUNT]; /* calls of each of vmm_call_names, any outcome */
 } g = {.lock = PTHREAD_RWLOCK_INITIALIZER};
 
 /* This thread's current context. initial-exec: LeakSanitizer (gcc 12,
@@ -1342,6 +1372,7 @@ static CUresult prop_check(const CUmemAllocationProp *prop, int *phys)
 
 FAKECUDA_API CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_ATTRIBUTE], 1);
 	int phys;
 	pthread_rwlock_rdlock(&g.lock);
 	CUresult rc = dev_check(dev, pi, &phys);
@@ -1368,6 +1399,7 @@ FAKECUDA_API CUresult cuMemGetAllocationGranularity(size_t *granularity,
 						    const CUmemAllocationProp *prop,
 						    CUmemAllocationGranularity_flags option)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_GRANULARITY], 1);
 	int phys;
 	pthread_rwlock_rdlock(&g.lock);
 	CUresult rc = need_init();
@@ -1386,6 +1418,7 @@ FAKECUDA_API CUresult cuMemGetAllocationGranularity(size_t *granularity,
 FAKECUDA_API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
 				  const CUmemAllocationProp *prop, unsigned long long flags)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_CREATE], 1);
 	int phys = -1;
 	struct fake_alloc *a = NULL;
 	pthread_rwlock_wrlock(&g.lock);
@@ -1450,6 +1483,7 @@ out:
 
 FAKECUDA_API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_RELEASE], 1);
 	pthread_rwlock_wrlock(&g.lock);
 	CUresult rc = need_ctx();
 	struct fake_alloc *a = rc == CUDA_SUCCESS ? alloc_find(handle) : NULL;
@@ -1470,6 +1504,7 @@ FAKECUDA_API CUresult cuMemExportToShareableHandle(void *shareableHandle,
 						   CUmemAllocationHandleType handleType,
 						   unsigned long long flags)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_EXPORT], 1);
 	pthread_rwlock_rdlock(&g.lock);
 	CUresult rc = need_ctx();
 	struct fake_alloc *a = rc == CUDA_SUCCESS ? alloc_find(handle) : NULL;
@@ -1495,6 +1530,7 @@ FAKECUDA_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandl
 						     void *osHandle,
 						     CUmemAllocationHandleType shHandleType)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_IMPORT], 1);
 	struct fake_alloc *a = NULL;
 	pthread_rwlock_wrlock(&g.lock);
 	CUresult rc = need_ctx();
@@ -1549,6 +1585,7 @@ out:
 FAKECUDA_API CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
 					  CUdeviceptr addr, unsigned long long flags)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_RESERVE], 1);
 	(void)addr; /* a hint; the fake takes whatever the kernel gives */
 	struct fake_resv *r = NULL;
 	pthread_rwlock_wrlock(&g.lock);
@@ -1596,6 +1633,7 @@ static struct fake_map *vmm_overlap(struct fake_map *from, CUdeviceptr p, size_t
 /* The whole of one reservation, with nothing mapped in it. */
 FAKECUDA_API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_ADDRESS_FREE], 1);
 	pthread_rwlock_wrlock(&g.lock);
 	CUresult rc = need_ctx();
 	struct fake_resv *r = NULL;
@@ -1622,6 +1660,7 @@ FAKECUDA_API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 FAKECUDA_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 			       CUmemGenericAllocationHandle handle, unsigned long long flags)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_MAP], 1);
 	pthread_rwlock_wrlock(&g.lock);
 	CUresult rc = need_ctx();
 	struct fake_alloc *a = rc == CUDA_SUCCESS ? alloc_find(handle) : NULL;
@@ -1656,6 +1695,7 @@ FAKECUDA_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
  * none. */
 FAKECUDA_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_UNMAP], 1);
 	pthread_rwlock_wrlock(&g.lock);
 	CUresult rc = need_ctx();
 	if (rc == CUDA_SUCCESS &&
@@ -1682,6 +1722,7 @@ FAKECUDA_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 FAKECUDA_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
 				     size_t count)
 {
+	atomic_fetch_add(&g.vmm_calls[VC_SET_ACCESS], 1);
 	pthread_rwlock_wrlock(&g.lock);
 	CUresult rc = need_ctx();
 	if (rc == CUDA_SUCCESS && (!desc || count == 0 || size == 0 || ptr + size < ptr))
@@ -1766,8 +1807,22 @@ FAKECUDA_API void fakecuda_stats(unsigned long *ipc_opens, unsigned long *ipc_cl
 		*ipc_closes = atomic_load(&g.closes);
 }
 
-/* The UUID of the physical device whose memory holds p (an allocation or an
- * opened handle of this process). 0, or -1 when p is in neither. */
+/* Calls of the VMM entry point `name` (cuMemCreate and its family,
+ * cuDeviceGetAttribute, cuMemGetAllocationGranularity) this process made,
+ * whatever they returned: what a client's driver work costs. (unsigned
+ * long)-1 for a name it does not count. */
+FAKECUDA_API unsigned long fakecuda_vmm_calls(const char *name)
+{
+	for (int i = 0; i < VC_COUNT; i++) {
+		if (name && strcmp(name, vmm_call_names[i]) == 0)
+			return atomic_load(&g.vmm_calls[i]);
+	}
+	return (unsigned long)-1;
+}
+
+/* The UUID of the physical device whose memory holds p (an allocation, an
+ * opened handle or a VMM mapping of this process). 0, or -1 when p is in
+ * none. */
 FAKECUDA_API int fakecuda_pointer_device(CUdeviceptr p, unsigned char uuid_out[16])
 {
 	pthread_rwlock_rdlock(&g.lock);

@@ -269,6 +269,30 @@ static void check(seed *s, int conn)
 	request(s, SEND(conn), &r);
 }
 
+/* AllocationFd (1.2) for allocation. */
+static void allocation_fd(seed *s, int conn, uint64_t allocation)
+{
+	Bufbroker__Request r = BUFBROKER__REQUEST__INIT;
+	Bufbroker__AllocationFd a = BUFBROKER__ALLOCATION_FD__INIT;
+	a.allocation = allocation;
+	r.op_case = BUFBROKER__REQUEST__OP_ALLOCATION_FD;
+	r.allocation_fd = &a;
+	request(s, SEND(conn), &r);
+}
+
+/* A CUDA Alloc asking for handle kind handle (1.2). */
+static void alloc_cuda_handle(seed *s, int conn, uint64_t size, int kind, int handle)
+{
+	Bufbroker__Request r = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
+	a.size = size;
+	a.kind = (Bufbroker__Kind)kind;
+	a.cuda_handle = (Bufbroker__CudaHandle)handle;
+	r.op_case = BUFBROKER__REQUEST__OP_ALLOC;
+	r.alloc = &a;
+	request(s, SEND(conn), &r);
+}
+
 static void action(seed *s, int act, int conn, int arg, uint8_t extra)
 {
 	uint8_t p = 0;
@@ -547,6 +571,19 @@ int main(int argc, char **argv)
 	check(&s, 1);
 	server_status(&s, SEND(1));
 	finish(&s, "admin-clients-check");
+
+	/* Protocol 1.2: handle kinds (a host buffer with one is invalid, a
+	 * kind out of range too) and AllocationFd of nothing held. */
+	begin(&s, AUTO);
+	alloc_cuda_handle(&s, 0, 4096, BB_HOST, BB_CUDA_HANDLE_VMM);
+	alloc_cuda_handle(&s, 0, 4096, BB_CUDA, BB_CUDA_HANDLE_VMM);
+	alloc_cuda_handle(&s, 0, 4096, BB_CUDA, 7);
+	alloc_cuda_handle(&s, 0, 4096, BB_CUDA, BB_CUDA_HANDLE_AUTO);
+	alloc(&s, 0, 4096, BB_HOST, NULL, BB_SHARE_UID);
+	allocation_fd(&s, 0, 0);
+	allocation_fd(&s, 0, 1);
+	allocation_fd(&s, 0, UINT64_MAX);
+	finish(&s, "vmm-handles-allocation-fd");
 
 	/* Timers: a Wait times out; with tight settings, a token expires
 	 * before it is adopted, and a large response overflows the queue. */

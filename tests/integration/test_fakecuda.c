@@ -1899,3 +1899,60 @@ Test(fakecuda, strict_knob_refuses_legacy_ipc_across_pid_namespaces_not_vmm)
 {
 	across_namespaces(true);
 }
+
+Test(fakecuda, vmm_memory_goes_with_the_process_not_with_its_context)
+{
+	setenv("FAKECUDA_MEMORY", "32M", 1);
+	bb_cuda api;
+	load(&api);
+	current(&api, 0);
+	CUdeviceptr p;
+	int fd;
+	CUmemGenericAllocationHandle h = vmm_made(&api, 2 * GRAN, &p, &fd);
+	close(fd);
+	(void)h;
+	/* A primary context reset leaves VMM memory (the process owns it). */
+	CU_OK(&api, api.DevicePrimaryCtxRelease(0));
+	current(&api, 0);
+	char buf[64];
+	CU_OK(&api, api.MemcpyDtoH(buf, p, sizeof(buf)));
+	cr_assert(bbt_check(buf, sizeof(buf), 1));
+	cr_assert_eq(free_now(&api), 32 * MiB - 2 * GRAN);
+	bb_cuda_unload(&api); /* dlclose: handle, mapping and reservation go */
+	load(&api);
+	current(&api, 0);
+	cr_assert_eq(free_now(&api), 32 * MiB);
+	bb_cuda_unload(&api);
+}
+
+Test(fakecuda, vmm_calls_hook_counts_every_call_of_each_entry_point)
+{
+	bb_cuda api;
+	load(&api);
+	unsigned long (*calls)(const char *) =
+		(unsigned long (*)(const char *))dlsym(api.lib, "fakecuda_vmm_calls");
+	cr_assert_not_null(calls, "fakecuda_vmm_calls not exported");
+	cr_assert_eq(calls("cuMemAlloc_v2"), (unsigned long)-1, "not a VMM call");
+	cr_assert_eq(calls("cuMemMap"), 0);
+	current(&api, 0);
+	CUdeviceptr p;
+	int fd;
+	CUmemGenericAllocationHandle h = vmm_made(&api, GRAN, &p, &fd);
+	CU_EQ(&api, api.MemMap(p, GRAN, 0, h, 0), CUDA_ERROR_INVALID_VALUE); /* counted too */
+	char buf[64];
+	for (int i = 0; i < 3; i++)
+		CU_OK(&api, api.MemcpyDtoH(buf, p, sizeof(buf)));
+	cr_assert_eq(calls("cuMemCreate"), 1);
+	cr_assert_eq(calls("cuMemAddressReserve"), 1);
+	cr_assert_eq(calls("cuMemMap"), 2);
+	cr_assert_eq(calls("cuMemSetAccess"), 1);
+	cr_assert_eq(calls("cuMemExportToShareableHandle"), 1);
+	cr_assert_eq(calls("cuMemImportFromShareableHandle"), 0);
+	CU_OK(&api, vmm_unmap(&api, p, GRAN));
+	CU_OK(&api, api.MemRelease(h));
+	cr_assert_eq(calls("cuMemUnmap"), 1);
+	cr_assert_eq(calls("cuMemAddressFree"), 1);
+	cr_assert_eq(calls("cuMemRelease"), 1);
+	close(fd);
+	bb_cuda_unload(&api);
+}

@@ -195,8 +195,7 @@ Test(cuda_vmm, a_vmm_buffer_lies_in_a_slab_whose_fd_is_exported_once)
 	cr_assert_eq(cub()->vmm_allocations, 1);
 
 	memset(&ex, 0, sizeof(ex));
-	cr_assert_eq(be->export_allocation(be, s->allocation, &ex, err, sizeof(err)), 0, "%s",
-		     err);
+	cr_assert_eq(be->export_allocation(be, s->allocation, &ex, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(ex.fd, s->fd);
 	cr_assert_eq(ex.allocation_size, s->size);
 	be->free(be, &a);
@@ -337,4 +336,30 @@ Test(cuda_vmm, a_policy_whose_default_is_forbidden_is_refused)
 	cr_assert_str_eq(why, "cuda-handle = legacy is forbidden by cuda-forbid = legacy");
 	cfg.handle_default = BB_CUDA_HANDLE_AUTO;
 	cr_assert_eq(backend_cuda_handles_check(&cfg, why, sizeof(why)), 0, "%s", why);
+}
+
+/* ---- the check ------------------------------------------------------------------------ */
+
+Test(cuda_vmm, the_check_finds_a_vmm_allocation_that_lost_its_fd)
+{
+	start();
+	char report[512];
+	backend_mem v = alloc_kind(4096, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	backend_mem l = alloc_kind(4096, BB_CUDA_HANDLE_LEGACY, BB_CUDA_HANDLE_LEGACY);
+	cr_assert_eq(be->check(be, report, sizeof(report)), 0, "%s", report);
+	slab *s = slab_of(&v);
+	int fd = s->fd;
+	s->fd = dup(fd);
+	close(s->fd); /* the number the slab keeps is no open file */
+	cr_assert_eq(be->check(be, report, sizeof(report)), 1, "%s", report);
+	char want[96];
+	snprintf(want, sizeof(want), "VMM CUDA allocation %llu has no open fd",
+		 (unsigned long long)s->allocation);
+	cr_assert(strstr(report, want), "%s", report);
+	s->fd = fd;
+	cr_assert_eq(be->check(be, report, sizeof(report)), 0, "%s", report);
+	be->free(be, &v);
+	be->free(be, &l);
+	drain();
+	cr_assert_eq(be->check(be, report, sizeof(report)), 0, "%s", report);
 }
