@@ -60,7 +60,6 @@ export BB_CONSUMER="$build/bb-consumer"
 export BUFBROKERD_CONFIG=/dev/null
 export BB_FAKECUDA="$build/libfakecuda.so"
 export BB_FAKECUDA_NOVMM="$build/libfakecuda_novmm.so"
-export BB_CUDACOUNT="$build/libcudacount.so"
 export BBT_SLOW="${BBT_SLOW:-20}"
 export BBT_VALGRIND=1
 # The soak test: a few short rounds of a few clients.

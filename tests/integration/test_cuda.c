@@ -80,13 +80,9 @@ static void cuda_env(const char *fake_memory)
 	unsetenv("FAKECUDA_LEGACY_IPC_NAMESPACE");
 	g_vmm = bbt_cuda_handle() && strcmp(bbt_cuda_handle(), "vmm") == 0;
 	if (fake && fake[0]) {
-		const char *count = getenv("BB_CUDACOUNT");
-
 		g_fake = true;
 		snprintf(ns, sizeof(ns), "bbt%d_%d", (int)getpid(), ++seq);
-		/* With VMM buffers, through the fake that counts its VMM calls
-		 * (tests/integration/cudacount.c). */
-		setenv("BUFBROKER_CUDA_LIBRARY", g_vmm && count && count[0] ? count : fake, 1);
+		setenv("BUFBROKER_CUDA_LIBRARY", fake, 1);
 		setenv("FAKECUDA_NAMESPACE", ns, 1);
 		setenv("FAKECUDA_DEVICES", "2", 1);
 		if (fake_memory)
@@ -321,7 +317,7 @@ struct cu {
 	bb_cuda api;
 	CUdevice dev; /* with a UUID given to cu_load: the device that has it */
 	void (*stats)(unsigned long *opens, unsigned long *closes);
-	void (*vmm_stats)(unsigned long *imports, unsigned long *maps, unsigned long *unmaps);
+	unsigned long (*vmm_calls)(const char *name);
 	int (*pointer_device)(CUdeviceptr p, unsigned char uuid[16]);
 	int (*open_context_device)(CUdeviceptr p, unsigned char uuid[16]);
 };
@@ -344,8 +340,7 @@ static int cu_load(struct cu *cu, const unsigned char *uuid)
 	}
 	cu->stats =
 		(void (*)(unsigned long *, unsigned long *))dlsym(cu->api.lib, "fakecuda_stats");
-	cu->vmm_stats = (void (*)(unsigned long *, unsigned long *, unsigned long *))dlsym(
-		cu->api.lib, "cudacount_vmm_stats");
+	cu->vmm_calls = (unsigned long (*)(const char *))dlsym(cu->api.lib, "fakecuda_vmm_calls");
 	cu->pointer_device = (int (*)(CUdeviceptr, unsigned char *))dlsym(
 		cu->api.lib, "fakecuda_pointer_device");
 	cu->open_context_device = (int (*)(CUdeviceptr, unsigned char *))dlsym(
@@ -379,29 +374,32 @@ static int cu_load(struct cu *cu, const unsigned char *uuid)
 }
 
 /* The driver calls that open and close an allocation in this process, so
- * far: legacy cuIpcOpenMemHandle and cuIpcCloseMemHandle; VMM
- * cuMemImportFromShareableHandle and cuMemMap (*opens counts an allocation
- * once only when both agree), cuMemUnmap. 0, or -1 (with a line on
- * stderr) where the fake lacks the hook. */
+ * far: legacy cuIpcOpenMemHandle and cuIpcCloseMemHandle (successful ones);
+ * VMM cuMemImportFromShareableHandle and cuMemUnmap calls, with *opens
+ * ~0 unless each import came with one cuMemAddressReserve, cuMemMap and
+ * cuMemSetAccess and each unmap with one cuMemAddressFree. 0, or -1 (with
+ * a line on stderr) where the fake lacks its hooks. */
 static int cu_stats(const struct cu *cu, unsigned long *opens, unsigned long *closes)
 {
-	unsigned long imports = 0;
-
 	*opens = *closes = 0;
 	if (!g_vmm) {
 		if (cu->stats)
 			cu->stats(opens, closes);
 		return 0;
 	}
-	if (!cu->vmm_stats) {
+	if (!cu->vmm_calls) {
 		if (g_fake)
-			fprintf(stderr, "test child: the driver is not libcudacount.so "
-					"($BB_CUDACOUNT): VMM calls are not counted\n");
+			fprintf(stderr, "test child: libfakecuda lacks fakecuda_vmm_calls\n");
 		return g_fake ? -1 : 0;
 	}
-	cu->vmm_stats(&imports, opens, closes);
-	if (imports != *opens) {
-		fprintf(stderr, "test child: %lu VMM imports but %lu maps\n", imports, *opens);
+	*opens = cu->vmm_calls("cuMemImportFromShareableHandle");
+	*closes = cu->vmm_calls("cuMemUnmap");
+	if (cu->vmm_calls("cuMemAddressReserve") != *opens || cu->vmm_calls("cuMemMap") != *opens ||
+	    cu->vmm_calls("cuMemSetAccess") != *opens ||
+	    cu->vmm_calls("cuMemAddressFree") != *closes) {
+		fprintf(stderr,
+			"test child: VMM calls out of step: %lu imports, %lu maps, %lu unmaps\n",
+			*opens, cu->vmm_calls("cuMemMap"), *closes);
 		*opens = ~0ul;
 	}
 	return 0;
