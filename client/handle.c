@@ -25,8 +25,8 @@
 #include <utlist.h>
 
 #include "kinds.h"
-#include "wire.h"
 #include "utf8.h"
+#include "wire.h"
 
 /* Unmap, close and free a handle that is off every list. A CUDA handle
  * gives up its use of the allocation, which closes it when it was the
