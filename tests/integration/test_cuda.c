@@ -1710,6 +1710,77 @@ Test(cuda, dropping_an_allocations_last_handle_while_adopting_another_buffer_of_
 	two_in_one_allocation(race_child, 0x4ace, "the racing client");
 }
 
+/* ---- a restarted daemon's allocations are not the old one's ------------------- */
+
+/* Maps a VMM buffer of the daemon, holds it across the daemon's restart
+ * (told through x->ch), then maps a buffer of the new daemon run whose
+ * allocation has the same id: it must be imported afresh, not taken for
+ * the old run's mapping that this process still holds. */
+static int restart_child(void *arg)
+{
+	struct ctx *x = arg;
+	bb_alloc_opts o = {.size = 4096, .kind = BB_CUDA};
+	unsigned long i0;
+	bb_client *c, *c2;
+	bb_buf *old, *cur;
+	bb_cuda_vmm v1, v2;
+	struct cu cu;
+	void *p1, *p2;
+	char go;
+
+	if (bb_connect(x->sock, &c) != 0 || bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_VMM, &old) != 0)
+		return 140;
+	if (bb_map(old, &p1) != 0 || bb_cuda_vmm_of(old, &v1) != 0)
+		return 141;
+	close(v1.fd);
+	if (cu_load(&cu, v1.device_uuid) != 0 || (g_fake && !cu.vmm_calls))
+		return 142;
+	i0 = g_fake ? cu.vmm_calls("cuMemImportFromShareableHandle") : 0;
+	if (bbt_send(x->ch.fd[1], "m", 1) != 0 || bbt_recv(x->ch.fd[1], &go, 1, CHILD_TIMEOUT_MS))
+		return 143;
+	/* The daemon was restarted on the same socket path. */
+	if (bb_connect(x->sock, &c2) != 0 || bb_alloc_cuda(c2, &o, BB_CUDA_HANDLE_VMM, &cur) != 0)
+		return 144;
+	if (bb_cuda_vmm_of(cur, &v2) != 0)
+		return 145;
+	close(v2.fd);
+	if (v2.allocation != v1.allocation || v2.offset != v1.offset)
+		return 146; /* the test needs the same identity in the new run */
+	if (bb_map(cur, &p2) != 0)
+		return 147;
+	if (p2 == p1)
+		return 148; /* the old run's mapping */
+	if (g_fake && cu.vmm_calls("cuMemImportFromShareableHandle") - i0 != 1)
+		return 149;
+	if (cu_write(&cu, p2, 4096, x->seed) != 0 || cu_check(&cu, p2, 4096, x->seed) != 0)
+		return 150;
+	bb_unref(cur);
+	bb_unref(old);
+	bb_disconnect(c2);
+	bb_disconnect(c);
+	return 0;
+}
+
+Test(cuda, a_restarted_daemons_allocation_is_never_taken_for_the_old_runs_mapping)
+{
+	cuda_env(NULL);
+	bbt_daemon *d = bbt_start(NULL);
+	struct ctx x = {.sock = d->sock, .seed = 0x4e57};
+	char m;
+
+	bbt_chan_open(&x.ch);
+	pid_t pid = bbt_spawn(restart_child, &x);
+	if (bbt_recv(x.ch.fd[0], &m, 1, CHILD_TIMEOUT_MS) != 0)
+		cr_assert_fail("the client failed at step %d", bbt_join(pid, CHILD_TIMEOUT_MS));
+	bbt_kill(d);
+	bbt_restart(d);
+	bbt_send(x.ch.fd[0], "g", 1);
+	int code = bbt_join(pid, CHILD_TIMEOUT_MS);
+	cr_assert_eq(code, 0, "the client across the restart failed at step %d", code);
+	bbt_chan_close(&x.ch);
+	bbt_stop_clean(d);
+}
+
 /* ---- containers: a consumer in a PID namespace of its own -------------------------- */
 
 /* In a new PID namespace (as `unshare --pid --fork` makes), with nothing
