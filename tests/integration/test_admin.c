@@ -735,6 +735,50 @@ Test(admin, ls_and_stat_show_each_cuda_buffers_handle_kind)
 	bbt_stop_clean(d);
 }
 
+Test(admin, status_says_per_device_whether_vmm_buffers_can_be_had_and_why_not)
+{
+	static const char *const no_vmm[] = {"--cuda-forbid", "vmm", "--cuda-handle", "legacy",
+					     NULL};
+	bbt_daemon *d = start_daemon();
+	if (!g_cuda)
+		cr_skip_test("needs the fake CUDA driver (BB_FAKECUDA)");
+	bb_client *c = bbt_connect(d);
+	bb_alloc_opts o = {.size = 4096, .kind = BB_CUDA};
+	char obj[1024], line[512], why[256];
+	bb_buf *b;
+
+	cr_assert_eq(bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_VMM, &b), 0, "%s", bb_last_error());
+	cli_run *r = cli(d, "--json", "status");
+	assert_ran(r, 0, "status --json");
+	cr_assert(json_object_with(r->out, "\"ordinal\":0,", obj, sizeof(obj)), "%s", r->out);
+	cr_assert(strstr(obj, "\"vmm\":true"), "%s", obj);
+	cr_assert_eq(json_num(obj, "vmm_allocations"), 1, "%s", obj);
+	free(r);
+	r = cli(d, "status");
+	assert_ran(r, 0, "status");
+	cr_assert(line_with(r->out, "  vmm ", line, sizeof(line)), "%s", r->out);
+	cr_assert(strstr(line, "yes, 1 allocations"), "%s", line);
+	free(r);
+	bb_unref(b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+
+	d = bbt_start(no_vmm);
+	r = cli(d, "--json", "status");
+	assert_ran(r, 0, "status --json");
+	cr_assert(json_object_with(r->out, "\"ordinal\":0,", obj, sizeof(obj)), "%s", r->out);
+	cr_assert(strstr(obj, "\"vmm\":false"), "%s", obj);
+	json_text(obj, "vmm_unavailable", why, sizeof(why));
+	cr_assert(strstr(why, "cuda-forbid"), "why not: %s", why);
+	free(r);
+	r = cli(d, "status");
+	assert_ran(r, 0, "status");
+	cr_assert(line_with(r->out, "  vmm ", line, sizeof(line)), "%s", r->out);
+	cr_assert(strstr(line, "unavailable: ") && strstr(line, "cuda-forbid"), "%s", line);
+	free(r);
+	bbt_stop_clean(d);
+}
+
 Test(admin, top_one_frame_shows_the_header_busiest_clients_and_largest_buffers)
 {
 	bbt_daemon *d = start_daemon();
