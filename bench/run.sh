@@ -227,8 +227,9 @@ wait_socket() { # wait_socket PATH PID WHAT
 # the daemon's open-file budget (docs/OPERATIONS.md, "Open files"), and the
 # host buffers of the scale series get what the budget leaves: the bench
 # caps their levels at the open-file limit less what the daemon keeps
-# (--daemon-fds-kept: 9 per connection, 256 spare, the 64 pooled memfds and
-# what it has open at start, with room to spare).
+# (--daemon-fds-kept: 9 per connection, 256 spare, the 64 pooled memfds,
+# what it has open at start, with room to spare, and when it serves CUDA
+# the 1024 VMM allocations --max-cuda-vmm-allocations reserves).
 MAX_CONN=1100
 bb_log "starting bufbrokerd (a second one with CUDA), the echo server and redis-server in $DIR"
 (
@@ -286,7 +287,7 @@ QUICK_ARG=()
 bb_log "running bufbroker-bench${QUICK_ARG:+ --quick} (CUDA: $CUDA_DESC)"
 rc=0
 "$BENCH" run --bb-socket "$DIR/bb.sock" --echo-socket "$DIR/echo.sock" "${REDIS_ARG[@]}" \
-	--daemon-pid "$DPID" --daemon-fds-kept $((9 * MAX_CONN + 1024)) "${SCALE_CUDA_ARG[@]}" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" \
+	--daemon-pid "$DPID" --daemon-fds-kept $((9 * MAX_CONN + 1024 + 1024)) "${SCALE_CUDA_ARG[@]}" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" \
 	"${QUICK_ARG[@]}" "${CUDA_ARG[@]}" \
 	--json "$OUT/bench.json" --plot-data "$OUT" \
 	--commit "$COMMIT" --command "$CMDLINE" --conditions "$CONDITIONS" \

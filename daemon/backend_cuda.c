@@ -1183,41 +1183,41 @@ const char *backend_cuda_library(const backend *be)
 	return bb_cuda_library_path();
 }
 
+/* Whether device attribute attr (named name) of d is non-zero; if not,
+ * d->vmm_why says "device N LACKS (NAME: value or error)". */
+static bool device_has(cuda_backend *cu, cuda_dev *d, CUdevice_attribute attr, const char *name,
+		       const char *lacks)
+{
+	int v = 0;
+	char eb[96];
+	CUresult rc = cu->api.DeviceGetAttribute(&v, attr, d->dev);
+	if (rc == CUDA_SUCCESS && v)
+		return true;
+	snprintf(d->vmm_why, sizeof(d->vmm_why), "device %d %s (%s: %s)", d->ordinal, lacks, name,
+		 rc ? bb_cuda_error(&cu->api, rc, eb, sizeof(eb)) : "0");
+	return false;
+}
+
 /* Whether VMM slabs can be made on d (d->vmm, else d->vmm_why) and their
  * unit: the recommended granularity, rounded up to a multiple of it that
  * is at least 2 MiB. */
 static void device_probe_vmm(cuda_backend *cu, cuda_dev *d)
 {
 	const bb_cuda *api = &cu->api;
-	int vmm = 0, fd = 0;
 	size_t gran = 0;
 	CUresult rc;
 	char eb[96];
 	CUmemAllocationProp prop;
 
 	d->vmm = false;
-	if (!bb_cuda_has_vmm(api, d->vmm_why, sizeof(d->vmm_why)))
+	if (!bb_cuda_has_vmm(api, d->vmm_why, sizeof(d->vmm_why)) ||
+	    !device_has(cu, d, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+			"CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+			"does not support virtual memory management") ||
+	    !device_has(cu, d, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+			"CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
+			"cannot export allocations as file descriptors"))
 		return;
-	if ((rc = api->DeviceGetAttribute(&vmm,
-					  CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-					  d->dev)) != CUDA_SUCCESS ||
-	    !vmm) {
-		snprintf(d->vmm_why, sizeof(d->vmm_why),
-			 "device %d does not support virtual memory management "
-			 "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: %s)",
-			 d->ordinal, rc ? bb_cuda_error(api, rc, eb, sizeof(eb)) : "0");
-		return;
-	}
-	if ((rc = api->DeviceGetAttribute(
-		     &fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-		     d->dev)) != CUDA_SUCCESS ||
-	    !fd) {
-		snprintf(d->vmm_why, sizeof(d->vmm_why),
-			 "device %d cannot export allocations as file descriptors "
-			 "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: %s)",
-			 d->ordinal, rc ? bb_cuda_error(api, rc, eb, sizeof(eb)) : "0");
-		return;
-	}
 	vmm_prop(&prop, d->dev);
 	if ((rc = api->CtxSetCurrent(d->ctx)) != CUDA_SUCCESS ||
 	    (rc = api->MemGetAllocationGranularity(

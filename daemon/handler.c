@@ -669,7 +669,8 @@ static void do_server_status(req_ctx *r)
 	ss.waits = t->waits;
 	ss.pid = (uint32_t)getpid();
 
-	/* The devices, as many as a datagram holds (each row is < 200 bytes). */
+	/* The devices, as many as a datagram holds (each row is < 500 bytes,
+	 * vmm_unavailable included: 64 fit the default datagram). */
 	Bufbroker__DeviceInfo di[SNAPSHOT_DEVICES_MAX], *dip[SNAPSHOT_DEVICES_MAX];
 	int n = snap.n_devices;
 	for (int i = 0; i < n; i++) {

@@ -352,12 +352,11 @@ static void json_devices(const Bufbroker__ServerStatusReply *s)
 		json_str(device_uuid(d, uuid));
 		printf(",\"total_bytes\":%" PRIu64 ",\"free_bytes\":%" PRIu64
 		       ",\"used_bytes\":%" PRIu64 ",\"reserved_bytes\":%" PRIu64
-		       ",\"limit_bytes\":%" PRIu64 ",\"vmm\":%s,\"vmm_allocations\":%" PRIu64
-		       ",\"vmm_unavailable\":",
+		       ",\"limit_bytes\":%" PRIu64 ",\"vmm\":%s,\"vmm_unavailable\":",
 		       d->total_bytes, d->free_bytes, d->used_bytes, d->reserved_bytes,
-		       d->limit_bytes, d->vmm ? "true" : "false", d->vmm_allocations);
-		json_str(d->vmm ? "" : d->vmm_unavailable);
-		putchar('}');
+		       d->limit_bytes, d->vmm ? "true" : "false");
+		json_str(d->vmm_unavailable);
+		printf(",\"vmm_allocations\":%" PRIu64 "}", d->vmm_allocations);
 	}
 	fputs("],\"cuda\":", stdout);
 	json_str(s->cuda);
@@ -389,12 +388,11 @@ static void text_devices(const Bufbroker__ServerStatusReply *s)
 		fmt_size(d->limit_bytes, c, sizeof(c));
 		printf("  broker        %s in buffers, %s reserved, limit %s\n", a, b, c);
 		if (d->vmm) {
-			printf("  vmm           yes, %" PRIu64 " allocations\n",
+			printf("  vmm           yes, %" PRIu64 " allocations held\n",
 			       d->vmm_allocations);
 		} else {
-			fputs("  vmm           unavailable: ", stdout);
-			put_text(d->vmm_unavailable && *d->vmm_unavailable ? d->vmm_unavailable
-									   : "not reported");
+			fputs("  vmm           no: ", stdout);
+			put_text(d->vmm_unavailable);
 			putchar('\n');
 		}
 	}

@@ -91,8 +91,9 @@ static void hello(seed *s, int conn, uint32_t major)
 	request(s, SEND(conn), &r);
 }
 
-static void alloc_on(seed *s, int conn, uint64_t size, int kind, int32_t device, const char *name,
-		     uint32_t share)
+/* An Alloc asking for CUDA handle kind handle (protocol 1.2; 0: none). */
+static void alloc_handle(seed *s, int conn, uint64_t size, int kind, int32_t device,
+			 const char *name, uint32_t share, int handle)
 {
 	Bufbroker__Request r = BUFBROKER__REQUEST__INIT;
 	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
@@ -101,9 +102,16 @@ static void alloc_on(seed *s, int conn, uint64_t size, int kind, int32_t device,
 	a.kind = (Bufbroker__Kind)kind;
 	a.name = (char *)(name ? name : "");
 	a.share = share;
+	a.cuda_handle = (Bufbroker__CudaHandle)handle;
 	r.op_case = BUFBROKER__REQUEST__OP_ALLOC;
 	r.alloc = &a;
 	request(s, SEND(conn), &r);
+}
+
+static void alloc_on(seed *s, int conn, uint64_t size, int kind, int32_t device, const char *name,
+		     uint32_t share)
+{
+	alloc_handle(s, conn, size, kind, device, name, share, 0);
 }
 
 static void alloc(seed *s, int conn, uint64_t size, int kind, const char *name, uint32_t share)
@@ -277,19 +285,6 @@ static void allocation_fd(seed *s, int conn, uint64_t allocation)
 	a.allocation = allocation;
 	r.op_case = BUFBROKER__REQUEST__OP_ALLOCATION_FD;
 	r.allocation_fd = &a;
-	request(s, SEND(conn), &r);
-}
-
-/* A CUDA Alloc asking for handle kind handle (1.2). */
-static void alloc_cuda_handle(seed *s, int conn, uint64_t size, int kind, int handle)
-{
-	Bufbroker__Request r = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
-	a.size = size;
-	a.kind = (Bufbroker__Kind)kind;
-	a.cuda_handle = (Bufbroker__CudaHandle)handle;
-	r.op_case = BUFBROKER__REQUEST__OP_ALLOC;
-	r.alloc = &a;
 	request(s, SEND(conn), &r);
 }
 
@@ -575,10 +570,10 @@ int main(int argc, char **argv)
 	/* Protocol 1.2: handle kinds (a host buffer with one is invalid, a
 	 * kind out of range too) and AllocationFd of nothing held. */
 	begin(&s, AUTO);
-	alloc_cuda_handle(&s, 0, 4096, BB_HOST, BB_CUDA_HANDLE_VMM);
-	alloc_cuda_handle(&s, 0, 4096, BB_CUDA, BB_CUDA_HANDLE_VMM);
-	alloc_cuda_handle(&s, 0, 4096, BB_CUDA, 7);
-	alloc_cuda_handle(&s, 0, 4096, BB_CUDA, BB_CUDA_HANDLE_AUTO);
+	alloc_handle(&s, 0, 4096, BB_HOST, 0, NULL, BB_SHARE_UID, BB_CUDA_HANDLE_VMM);
+	alloc_handle(&s, 0, 4096, BB_CUDA, 0, NULL, BB_SHARE_UID, BB_CUDA_HANDLE_VMM);
+	alloc_handle(&s, 0, 4096, BB_CUDA, 0, NULL, BB_SHARE_UID, 7);
+	alloc_handle(&s, 0, 4096, BB_CUDA, 0, NULL, BB_SHARE_UID, BB_CUDA_HANDLE_AUTO);
 	alloc(&s, 0, 4096, BB_HOST, NULL, BB_SHARE_UID);
 	allocation_fd(&s, 0, 0);
 	allocation_fd(&s, 0, 1);

@@ -19,12 +19,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cuda_api.h"
 #include "harness.h"
 
 #define MIB (1024u * 1024u)
@@ -84,25 +86,33 @@ typedef struct peer {
 	uint64_t next; /* request ids */
 } peer;
 
-/* Connect and say Hello with protocol 1.minor. */
-static peer connect_minor(const bbt_daemon *d, uint32_t minor)
+/* Hello with protocol 1.minor as request 1; safe in a child. 0 when the
+ * daemon accepted it and speaks 1.2, else -1. */
+static int hello_minor(int sock, uint32_t minor)
 {
-	peer p = {.sock = bbt_raw_connect(d->sock), .next = 1};
-	cr_assert_geq(p.sock, 0, "connect: %s", strerror(-p.sock));
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	Bufbroker__Hello h = BUFBROKER__HELLO__INIT;
 	Bufbroker__Response *resp;
 	h.version_major = 1;
 	h.version_minor = minor;
 	h.client_name = "bbt-vmm";
-	req.id = p.next++;
+	req.id = 1;
 	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
 	req.hello = &h;
-	cr_assert_eq(bbt_raw_send(p.sock, &req, -1), 0);
-	cr_assert_eq(bbt_raw_recv(p.sock, RECV_MS, &resp, NULL), 1);
-	cr_assert(resp->status && resp->status->code == 0);
-	cr_assert_eq(resp->hello->version_minor, 2, "the daemon speaks 1.2");
+	if (bbt_raw_send(sock, &req, -1) || bbt_raw_recv(sock, RECV_MS, &resp, NULL) != 1)
+		return -1;
+	int ok = resp->status && resp->status->code == 0 && resp->hello &&
+		 resp->hello->version_minor == 2;
 	bufbroker__response__free_unpacked(resp, NULL);
+	return ok ? 0 : -1;
+}
+
+/* Connect and say Hello with protocol 1.minor. */
+static peer connect_minor(const bbt_daemon *d, uint32_t minor)
+{
+	peer p = {.sock = bbt_raw_connect(d->sock), .next = 2};
+	cr_assert_geq(p.sock, 0, "connect: %s", strerror(-p.sock));
+	cr_assert_eq(hello_minor(p.sock, minor), 0, "Hello 1.%u refused", minor);
 	return p;
 }
 
@@ -369,6 +379,185 @@ Test(vmm_wire, the_daemons_default_and_auto_give_vmm_where_the_device_exports_fd
 	bbt_stop_clean(d);
 }
 
+/* ---- the fd maps the bytes, across processes -------------------------------------- */
+
+/* Import the allocation behind fd on the device with uuid, map it whole
+ * and grant access, as PROTOCOL.md says a client does: the mapping's base,
+ * or 0 on failure (the step in *step). */
+static CUdeviceptr vmm_map(bb_cuda *api, int fd, uint64_t allocation_size,
+			   const unsigned char uuid[16], int *step)
+{
+	char err[256];
+	int n = 0;
+	CUdevice dev = -1;
+	CUcontext ctx;
+	CUmemGenericAllocationHandle h;
+	CUdeviceptr base = 0;
+	*step = 10;
+	if (bb_cuda_load(api, err, sizeof(err)) != 0 || api->DeviceGetCount(&n) != CUDA_SUCCESS)
+		return 0;
+	*step = 11;
+	for (int i = 0; i < n; i++) {
+		CUdevice d;
+		CUuuid u;
+		if (api->DeviceGet(&d, i) == CUDA_SUCCESS &&
+		    api->DeviceGetUuid(&u, d) == CUDA_SUCCESS && memcmp(u.bytes, uuid, 16) == 0)
+			dev = d;
+	}
+	if (dev < 0 || api->DevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS ||
+	    api->CtxSetCurrent(ctx) != CUDA_SUCCESS)
+		return 0;
+	*step = 12;
+	if (api->MemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
+					      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) !=
+	    CUDA_SUCCESS)
+		return 0;
+	*step = 13;
+	if (api->MemAddressReserve(&base, allocation_size, 0, 0, 0) != CUDA_SUCCESS)
+		return 0;
+	*step = 14;
+	if (api->MemMap(base, allocation_size, 0, h, 0) != CUDA_SUCCESS)
+		return 0;
+	CUmemAccessDesc acc;
+	memset(&acc, 0, sizeof(acc));
+	acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	acc.location.id = dev;
+	acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	*step = 15;
+	if (api->MemSetAccess(base, allocation_size, &acc, 1) != CUDA_SUCCESS)
+		return 0;
+	*step = 0;
+	return base;
+}
+
+typedef struct mapper_arg {
+	const char *sock;
+	int chan;   /* the child's end: tokens go out (producer) or come in (consumer) */
+	bool write; /* producer: write the pattern; consumer: check it */
+} mapper_arg;
+
+#define PATTERN_BYTES 65536u
+#define PATTERN_SEED 0x766d6du
+
+/* Producer: a VMM buffer (the second in its slab, so its offset is not 0),
+ * the pattern written through its own mapping, SetReady, and a token for
+ * the parent. Consumer: adopt the token the parent passes, map the fd that
+ * came with the grant, and check the pattern. Exit codes name the step. */
+static int mapper(void *arg)
+{
+	mapper_arg *m = arg;
+	int sock = bbt_raw_connect(m->sock), fd = -1, step;
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Response *resp;
+	static unsigned char buf[PATTERN_BYTES];
+	bb_cuda api;
+	if (sock < 0)
+		return 1;
+	if (hello_minor(sock, 2))
+		return 2;
+	if (m->write) {
+		Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
+		a.size = PATTERN_BYTES;
+		a.kind = BUFBROKER__KIND__KIND_CUDA;
+		a.share = BB_SHARE_ANY;
+		a.cuda_handle = BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM;
+		req.op_case = BUFBROKER__REQUEST__OP_ALLOC;
+		req.alloc = &a;
+		for (int i = 0; i < 2; i++) {
+			int got = -1;
+			req.id = 2 + (uint64_t)i;
+			if (bbt_raw_send(sock, &req, -1) ||
+			    bbt_raw_recv(sock, 5000, &resp, &got) != 1)
+				return 3;
+			if (!resp->status || resp->status->code || !resp->grant)
+				return 4;
+			if (i == 0) {
+				fd = got; /* the first grant brought the fd */
+				bufbroker__response__free_unpacked(resp, NULL);
+			} else if (got >= 0) {
+				return 5;
+			}
+		}
+	} else {
+		unsigned char tok[BB_TOKEN_SIZE];
+		if (bbt_recv(m->chan, tok, sizeof(tok), 10000))
+			return 3;
+		Bufbroker__Adopt ad = BUFBROKER__ADOPT__INIT;
+		ad.token.data = tok;
+		ad.token.len = sizeof(tok);
+		req.id = 2;
+		req.op_case = BUFBROKER__REQUEST__OP_ADOPT;
+		req.adopt = &ad;
+		if (bbt_raw_send(sock, &req, -1) || bbt_raw_recv(sock, 5000, &resp, &fd) != 1)
+			return 4;
+		if (!resp->status || resp->status->code || !resp->grant ||
+		    !resp->grant->allocation_fd || fd < 0)
+			return 5;
+	}
+	const Bufbroker__Grant *g = resp->grant;
+	if (g->offset == 0 || g->offset + PATTERN_BYTES > g->allocation_size)
+		return 6;
+	CUdeviceptr base = vmm_map(&api, fd, g->allocation_size, g->device_uuid.data, &step);
+	if (!base)
+		return step;
+	close(fd); /* the import keeps the allocation */
+	if (m->write) {
+		bbt_fill(buf, sizeof(buf), PATTERN_SEED);
+		if (api.MemcpyHtoD(base + g->offset, buf, sizeof(buf)) != CUDA_SUCCESS)
+			return 20;
+		Bufbroker__SetReady sr = BUFBROKER__SET_READY__INIT;
+		Bufbroker__Take t = BUFBROKER__TAKE__INIT;
+		sr.id = g->info->id;
+		t.id = g->info->id;
+		Bufbroker__Request r2 = BUFBROKER__REQUEST__INIT;
+		r2.id = 10;
+		r2.op_case = BUFBROKER__REQUEST__OP_SET_READY;
+		r2.set_ready = &sr;
+		Bufbroker__Response *a2;
+		if (bbt_raw_send(sock, &r2, -1) || bbt_raw_recv(sock, 5000, &a2, NULL) != 1 ||
+		    a2->status->code)
+			return 21;
+		bufbroker__response__free_unpacked(a2, NULL);
+		r2.id = 11;
+		r2.op_case = BUFBROKER__REQUEST__OP_TAKE;
+		r2.take = &t;
+		if (bbt_raw_send(sock, &r2, -1) || bbt_raw_recv(sock, 5000, &a2, NULL) != 1 ||
+		    a2->status->code || a2->take->token.len != BB_TOKEN_SIZE)
+			return 22;
+		if (bbt_send(m->chan, a2->take->token.data, BB_TOKEN_SIZE))
+			return 23;
+		bufbroker__response__free_unpacked(a2, NULL);
+	} else {
+		memset(buf, 0, sizeof(buf));
+		if (api.MemcpyDtoH(buf, base + g->offset, sizeof(buf)) != CUDA_SUCCESS)
+			return 20;
+		if (!bbt_check(buf, sizeof(buf), PATTERN_SEED))
+			return 21;
+	}
+	bufbroker__response__free_unpacked(resp, NULL);
+	close(sock);
+	return 0;
+}
+
+Test(vmm_wire, the_fd_a_grant_carries_maps_the_bytes_another_process_wrote)
+{
+	bbt_daemon *d = start(true, NULL);
+	bbt_chan ch;
+	bbt_chan_open(&ch);
+	mapper_arg pa = {.sock = d->sock, .chan = ch.fd[1], .write = true};
+	mapper_arg ca = {.sock = d->sock, .chan = ch.fd[1], .write = false};
+	pid_t prod = bbt_spawn(mapper, &pa);
+	unsigned char tok[BB_TOKEN_SIZE];
+	cr_assert_eq(bbt_recv(ch.fd[0], tok, sizeof(tok), bbt_ms(10000)), 0,
+		     "no token from the producer");
+	cr_assert_eq(bbt_join(prod, 10000), 0, "the producer failed");
+	pid_t cons = bbt_spawn(mapper, &ca);
+	cr_assert_eq(bbt_send(ch.fd[0], tok, sizeof(tok)), 0);
+	cr_assert_eq(bbt_join(cons, 10000), 0, "the consumer failed");
+	bbt_chan_close(&ch);
+	bbt_stop_clean(d);
+}
+
 /* ---- AllocationFd ------------------------------------------------------------------ */
 
 Test(vmm_wire, allocation_fd_sends_the_fd_again_while_a_buffer_of_it_is_held)
@@ -414,30 +603,42 @@ Test(vmm_wire, allocation_fd_sends_the_fd_again_while_a_buffer_of_it_is_held)
 
 /* ---- what cannot be had -------------------------------------------------------------- */
 
-Test(vmm_wire, a_forbidden_kind_is_refused_with_the_key_and_auto_takes_the_other)
+/* On d, where VMM cannot be had: an Alloc asking for VMM is refused with
+ * refusal (the whole message), one asking for other (AUTO, or DEFAULT
+ * where the default is auto) gets a legacy buffer, and ServerStatus says
+ * why (why_part in vmm_unavailable). Stops d. */
+static void vmm_unavailable(bbt_daemon *d, Bufbroker__CudaHandle other, const char *refusal,
+			    const char *why_part)
 {
-	const char *flags[] = {"--cuda-forbid", "vmm", NULL};
-	bbt_daemon *d = start(true, flags);
 	peer p = connect_new(d);
 	Bufbroker__Response *r =
 		alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM, NULL);
 	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
-	cr_assert_str_eq(r->status->message, "VMM CUDA buffers are forbidden by the operator of "
-					     "this daemon (cuda-forbid = vmm)");
+	cr_assert_str_eq(r->status->message, refusal);
 	bufbroker__response__free_unpacked(r, NULL);
-	r = alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_AUTO, NULL);
+	r = alloc_cuda(&p, 4096, other, NULL);
 	cr_assert_eq(grant_of(r)->info->cuda_handle, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY);
 	bufbroker__response__free_unpacked(r, NULL);
 	vmm_dev v = device0(&p);
 	cr_assert(!v.vmm);
-	cr_assert(strstr(v.why, "cuda-forbid = vmm"), "%s", v.why);
+	cr_assert(strstr(v.why, why_part), "%s", v.why);
 	close(p.sock);
 	bbt_stop_clean(d);
+}
+
+Test(vmm_wire, a_forbidden_kind_is_refused_with_the_key_and_auto_takes_the_other)
+{
+	const char *flags[] = {"--cuda-forbid", "vmm", NULL};
+	vmm_unavailable(start(true, flags), BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_AUTO,
+			"VMM CUDA buffers are forbidden by the operator of this daemon "
+			"(cuda-forbid = vmm)",
+			"cuda-forbid = vmm");
 
 	const char *legacy[] = {"--cuda-handle", "vmm", "--cuda-forbid", "legacy", NULL};
-	d = start(true, legacy);
-	p = connect_new(d);
-	r = alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY, NULL);
+	bbt_daemon *d = start(true, legacy);
+	peer p = connect_new(d);
+	Bufbroker__Response *r =
+		alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY, NULL);
 	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
 	cr_assert(strstr(r->status->message, "cuda-forbid = legacy"), "%s", r->status->message);
 	bufbroker__response__free_unpacked(r, NULL);
@@ -447,23 +648,28 @@ Test(vmm_wire, a_forbidden_kind_is_refused_with_the_key_and_auto_takes_the_other
 
 Test(vmm_wire, a_device_without_fd_export_refuses_vmm_and_says_so)
 {
-	bbt_daemon *d = start(false, NULL);
-	peer p = connect_new(d);
-	Bufbroker__Response *r =
-		alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM, NULL);
-	cr_assert_eq(code_of(r), BB_ERR_UNSUPPORTED);
-	cr_assert(strstr(r->status->message, "device 0 cannot export allocations as file "
-					     "descriptors"),
-		  "%s", r->status->message);
-	bufbroker__response__free_unpacked(r, NULL);
-	r = alloc_cuda(&p, 4096, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_AUTO, NULL);
-	cr_assert_eq(grant_of(r)->info->cuda_handle, BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_LEGACY);
-	bufbroker__response__free_unpacked(r, NULL);
-	vmm_dev v = device0(&p);
-	cr_assert(!v.vmm);
-	cr_assert(strstr(v.why, "POSIX_FILE_DESCRIPTOR_SUPPORTED"), "%s", v.why);
-	close(p.sock);
-	bbt_stop_clean(d);
+	vmm_unavailable(start(false, NULL), BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_AUTO,
+			"VMM CUDA buffers cannot be had on device 0: device 0 cannot export "
+			"allocations as file descriptors "
+			"(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: 0)",
+			"POSIX_FILE_DESCRIPTOR_SUPPORTED");
+}
+
+Test(vmm_wire, a_driver_without_the_vmm_calls_refuses_vmm_naming_what_it_lacks)
+{
+	const char *novmm = getenv("BB_FAKECUDA_NOVMM");
+	cr_assert(novmm && novmm[0], "BB_FAKECUDA_NOVMM is not set (ctest sets it)");
+	fake_env(true);
+	setenv("BUFBROKER_CUDA_LIBRARY", novmm, 1);
+	const char *args[] = {"--cuda-handle", "auto", NULL};
+	char want[512];
+	snprintf(want, sizeof(want),
+		 "VMM CUDA buffers cannot be had on device 0: the CUDA driver %s lacks "
+		 "cuMemCreate (too old for VMM allocations)",
+		 novmm);
+	/* The default, auto, is legacy there. */
+	vmm_unavailable(bbt_start(args), BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_DEFAULT, want,
+			"too old for VMM allocations");
 }
 
 Test(vmm_wire, a_host_buffer_with_a_cuda_handle_is_invalid)
@@ -585,17 +791,10 @@ static int holder(void *arg)
 	if (sock < 0)
 		return 1;
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__Hello hello = BUFBROKER__HELLO__INIT;
 	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
 	Bufbroker__Response *resp;
-	hello.version_major = 1;
-	hello.version_minor = 2;
-	req.id = 1;
-	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
-	req.hello = &hello;
-	if (bbt_raw_send(sock, &req, -1) || bbt_raw_recv(sock, 5000, &resp, NULL) != 1)
+	if (hello_minor(sock, 2))
 		return 2;
-	bufbroker__response__free_unpacked(resp, NULL);
 	uint64_t sizes[2] = {12 * MIB, 4096};
 	for (int i = 0; i < 2; i++) {
 		a.size = sizes[i];

@@ -31,72 +31,15 @@ static unsigned long long walk_steps;
 
 #include "../../daemon/backend_cuda.c"
 #include "../../daemon/log.c"
+#include "cuda_fixture.h"
 
 #define UID 1000
 #define MiB (1024ull * 1024)
 #define ALIGN BACKEND_CUDA_ALIGN
 
-static backend *be;
-static char lib[PATH_MAX];
-static char err[256];
-
-/* ---- the driver and the backend ------------------------------------------------ */
-
-static void find_fake(void)
-{
-	const char *env = getenv("BB_FAKECUDA");
-	if (env && env[0]) {
-		snprintf(lib, sizeof(lib), "%s", env);
-		return;
-	}
-	char exe[PATH_MAX];
-	ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-	cr_assert_gt(n, 0, "cannot read /proc/self/exe");
-	exe[n] = '\0';
-	snprintf(lib, sizeof(lib), "%s/libfakecuda.so", dirname(exe));
-	cr_assert_eq(access(lib, R_OK), 0, "%s: build the fakecuda target or set BB_FAKECUDA", lib);
-}
-
 static void setup(void)
 {
-	char ns[64];
-	find_fake();
-	snprintf(ns, sizeof(ns), "bbtest-cuda-extents-%d", (int)getpid());
-	setenv("BUFBROKER_CUDA_LIBRARY", lib, 1);
-	setenv("FAKECUDA_NAMESPACE", ns, 1);
-	setenv("FAKECUDA_DEVICES", "1", 1);
-	setenv("FAKECUDA_MEMORY", "64M", 1);
-	unsetenv("CUDA_VISIBLE_DEVICES");
-}
-
-/* Jobs wait here until the test runs them, oldest first. */
-static backend_job *queue[64];
-static int queued;
-
-static void queue_job(backend *b, backend_job *job)
-{
-	(void)b;
-	cr_assert_lt(queued, 64, "jobs pile up");
-	queue[queued++] = job;
-}
-
-/* Run the oldest job's work and done, as the server would. */
-static bool run_one(void)
-{
-	if (!queued)
-		return false;
-	backend_job *job = queue[0];
-	queued--;
-	memmove(queue, queue + 1, (size_t)queued * sizeof(queue[0]));
-	job->work(job);
-	job->done(job);
-	return true;
-}
-
-static void drain(void)
-{
-	while (run_one())
-		;
+	fake_setup("cuda-extents");
 }
 
 /* A backend with slabs of slab_bytes that caches cache_bytes of them. */
@@ -109,22 +52,6 @@ static void start(uint64_t slab_bytes, uint64_t cache_bytes)
 	be = backend_cuda_new(&cfg, err, sizeof(err));
 	cr_assert_not_null(be, "backend_cuda_new: %s", err);
 	be->submit = queue_job;
-}
-
-static void teardown(void)
-{
-	if (be) {
-		drain();
-		be->destroy(be);
-		be = NULL;
-	}
-	void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-	if (h) {
-		void (*reset)(void) = (void (*)(void))dlsym(h, "fakecuda_reset_namespace");
-		if (reset)
-			reset();
-		dlclose(h);
-	}
 }
 
 TestSuite(cuda_extents, .init = setup, .fini = teardown);

@@ -25,70 +25,15 @@
 
 #include "../../daemon/backend_cuda.c"
 #include "../../daemon/log.c"
+#include "cuda_fixture.h"
 
 #define UID 1000
 #define MiB (1024ull * 1024)
 
-static backend *be;
-static char lib[PATH_MAX];
-static char err[256];
-
-/* ---- the driver and the backend ------------------------------------------------ */
-
-static void find_fake(void)
-{
-	const char *env = getenv("BB_FAKECUDA");
-	if (env && env[0]) {
-		snprintf(lib, sizeof(lib), "%s", env);
-		return;
-	}
-	char exe[PATH_MAX];
-	ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-	cr_assert_gt(n, 0, "cannot read /proc/self/exe");
-	exe[n] = '\0';
-	snprintf(lib, sizeof(lib), "%s/libfakecuda.so", dirname(exe));
-	cr_assert_eq(access(lib, R_OK), 0, "%s: build the fakecuda target or set BB_FAKECUDA", lib);
-}
-
 static void setup(void)
 {
-	char ns[64];
-	find_fake();
-	snprintf(ns, sizeof(ns), "bbtest-cuda-vmm-%d", (int)getpid());
-	setenv("BUFBROKER_CUDA_LIBRARY", lib, 1);
-	setenv("FAKECUDA_NAMESPACE", ns, 1);
-	setenv("FAKECUDA_DEVICES", "1", 1);
-	setenv("FAKECUDA_MEMORY", "64M", 1);
+	fake_setup("cuda-vmm");
 	unsetenv("FAKECUDA_VMM_FD");
-	unsetenv("CUDA_VISIBLE_DEVICES");
-}
-
-static backend_job *queue[64];
-static int queued;
-
-static void queue_job(backend *b, backend_job *job)
-{
-	(void)b;
-	cr_assert_lt(queued, 64, "jobs pile up");
-	queue[queued++] = job;
-}
-
-static bool run_one(void)
-{
-	if (!queued)
-		return false;
-	backend_job *job = queue[0];
-	queued--;
-	memmove(queue, queue + 1, (size_t)queued * sizeof(queue[0]));
-	job->work(job);
-	job->done(job);
-	return true;
-}
-
-static void drain(void)
-{
-	while (run_one())
-		;
 }
 
 /* A backend with 8 MiB slabs, no cache, and the given handle policy. */
@@ -109,22 +54,6 @@ static void start_with(int handle_default, int handle_forbid, uint64_t vmm_alloc
 static void start(void)
 {
 	start_with(BB_CUDA_HANDLE_LEGACY, 0, BACKEND_CUDA_VMM_ALLOCATIONS_DEFAULT);
-}
-
-static void teardown(void)
-{
-	if (be) {
-		drain();
-		be->destroy(be);
-		be = NULL;
-	}
-	void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-	if (h) {
-		void (*reset)(void) = (void (*)(void))dlsym(h, "fakecuda_reset_namespace");
-		if (reset)
-			reset();
-		dlclose(h);
-	}
 }
 
 TestSuite(cuda_vmm, .init = setup, .fini = teardown);
@@ -268,6 +197,7 @@ Test(cuda_vmm, default_is_the_configured_kind)
 	start();
 	backend_mem m = alloc_kind(4096, BB_CUDA_HANDLE_DEFAULT, BB_CUDA_HANDLE_LEGACY);
 	be->free(be, &m);
+	drain();
 	be->destroy(be);
 	be = NULL;
 	start_with(BB_CUDA_HANDLE_VMM, 0, 16);
