@@ -63,7 +63,6 @@
 /* Codes the fake returns beyond those cuda_api.h names (values as in cuda.h). */
 enum {
 	CUDA_ERROR_MAP_FAILED = 205,
-	CUDA_ERROR_NOT_PERMITTED = 800,
 	CUDA_ERROR_OPERATING_SYSTEM = 304,
 	CUDA_ERROR_UNKNOWN = 999,
 };

@@ -430,6 +430,27 @@ grep -q 'level=error event=config_invalid .*line=5 key=limits.uid_buffers error=
 grep -q "key=limits.conn_tokens old=4 new=0" "$LOG" && fail "a bad file still changed conn_tokens"
 produce t3 4096 || fail "conn_tokens changed after a bad reload: $(cat "$DIR/out")"
 
+STEP="SIGHUP: the CUDA handle policy is live, and a forbidden default changes nothing"
+printf '[socket]\npath = %s\n[limits]\nconn_tokens = 4\n[cuda]\nhandle = auto\nforbid = legacy\n' "$SOCK" >"$HUP"
+kill -HUP "$DPID"
+wait_log "event=config_changed key=cuda.forbid old=none new=legacy"
+grep -q "event=config_changed key=cuda.handle old=legacy new=auto" "$LOG" ||
+	fail "no config_changed line for cuda.handle"
+[[ $(cli --json status | json "d['devices'][0]['vmm']") == True ]] ||
+	fail "VMM is not available after forbid = legacy: $(cli --json status)"
+printf '[socket]\npath = %s\n[limits]\nconn_tokens = 4\n[cuda]\nhandle = auto\nforbid = auto\n' "$SOCK" >"$HUP"
+kill -HUP "$DPID"
+wait_log 'error="\\"auto\\" is not none, legacy or vmm"'
+printf '[socket]\npath = %s\n[limits]\nconn_tokens = 4\n[cuda]\nhandle = vmm\nforbid = vmm\n' "$SOCK" >"$HUP"
+kill -HUP "$DPID"
+wait_log "cuda-handle = vmm is forbidden by cuda-forbid = vmm"
+grep -q "key=cuda.forbid old=legacy new=vmm" "$LOG" && fail "a forbidden default was applied"
+printf '[socket]\npath = %s\n[cuda]\nforbid = vmm\n' "$SOCK" >"$HUP"
+kill -HUP "$DPID"
+wait_log "event=config_changed key=cuda.forbid old=legacy new=vmm"
+[[ $(cli --json status | json "d['devices'][0]['vmm'], d['devices'][0]['vmm_unavailable']") == "False forbidden by the operator (cuda-forbid = vmm)" ]] ||
+	fail "forbid = vmm did not apply live: $(cli --json status)"
+
 STEP="SIGHUP with the file gone (given with --config)"
 rm "$HUP"
 kill -HUP "$DPID"
