@@ -4,9 +4,11 @@
  * Hello and the daemon's datagram limit) and bb_disconnect.
  */
 #include "handle.h"
+#include "vmm_fd.h"
 #include "wire.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +22,102 @@
 /* Cap on the receive buffer, whatever the daemon announces. */
 #define RECV_MAX_BYTES (16u << 20)
 
+/*
+ * Which daemon instance a connection reaches, as a number unique in this
+ * process (bb_client.daemon): the process-wide cache of imported VMM
+ * allocations (cuda_map.c) is keyed by it and the daemon's allocation id,
+ * which only one daemon run never reuses. Connections share a number when
+ * they connected to the same socket file (device and inode) while another
+ * connection to it was still open: then they reach the same daemon, since
+ * a daemon that is gone has hung up every connection it had, and one that
+ * lives keeps its socket file's inode. Anything else (a daemon restarted
+ * on the same path, another daemon) gets a new number, so an allocation id
+ * of a new daemon run never finds a mapping of an old one.
+ */
+struct daemon_rec {
+	dev_t dev;                      /* the socket file's device */
+	ino_t ino;                      /* and inode */
+	uint64_t daemon;                /* the number its connections get */
+	int listed;                     /* in daemons.recs: new connections may join */
+	struct bb_client *conns;        /* its connections (dprev, dnext) */
+	struct daemon_rec *prev, *next; /* daemons.recs */
+};
+
+static struct {
+	pthread_mutex_t mu;      /* guards everything here and every drec link */
+	struct daemon_rec *recs; /* joinable records */
+	uint64_t next;           /* the next daemon number */
+} daemons = {.mu = PTHREAD_MUTEX_INITIALIZER, .next = 1};
+
+/* True when the daemon has hung up sock (or it is in error). */
+static int conn_hung_up(int sock)
+{
+	struct pollfd p = {.fd = sock, .events = POLLRDHUP};
+
+	return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL));
+}
+
+/* Give c (connected and greeted through path) its daemon number. */
+static void daemon_identify(bb_client *c, const char *path)
+{
+	struct daemon_rec *r;
+	struct bb_client *m;
+	struct stat st;
+	int known = stat(path, &st) == 0;
+
+	pthread_mutex_lock(&daemons.mu);
+	DL_FOREACH (daemons.recs, r) {
+		if (!known || r->dev != st.st_dev || r->ino != st.st_ino)
+			continue;
+		DL_FOREACH2 (r->conns, m, dnext)
+			if (!conn_hung_up(m->sock))
+				break;
+		if (m)
+			break;
+		/* Every connection of it is hung up: whatever listens now is
+		 * another daemon run. */
+		DL_DELETE(daemons.recs, r);
+		r->listed = 0;
+		break;
+	}
+	if (!r || !r->listed) {
+		r = known ? calloc(1, sizeof(*r)) : NULL;
+		if (r) {
+			r->dev = st.st_dev;
+			r->ino = st.st_ino;
+			r->daemon = daemons.next++;
+			r->listed = 1;
+			DL_APPEND(daemons.recs, r);
+		}
+	}
+	if (r) {
+		c->daemon = r->daemon;
+		c->drec = r;
+		DL_APPEND2(r->conns, c, dprev, dnext);
+	} else {
+		c->daemon = daemons.next++; /* shares with no other connection */
+	}
+	pthread_mutex_unlock(&daemons.mu);
+}
+
+/* c leaves its daemon record; the last one frees it. */
+static void daemon_leave(bb_client *c)
+{
+	struct daemon_rec *r = c->drec;
+
+	if (!r)
+		return;
+	pthread_mutex_lock(&daemons.mu);
+	DL_DELETE2(r->conns, c, dprev, dnext);
+	if (!r->conns) {
+		if (r->listed)
+			DL_DELETE(daemons.recs, r);
+		free(r);
+	}
+	c->drec = NULL;
+	pthread_mutex_unlock(&daemons.mu);
+}
+
 /* Free c and every handle still alive: unmap first, then close the socket,
  * which makes the daemon release everything the connection held. */
 static void client_free(bb_client *c)
@@ -31,6 +129,8 @@ static void client_free(bb_client *c)
 		DL_DELETE(c->all, b);
 		bbc_buf_free(b);
 	}
+	bbc_vmm_fd_clear(c);
+	daemon_leave(c);
 	if (c->sock >= 0)
 		close(c->sock);
 	free(c->rbuf);
@@ -74,6 +174,7 @@ static int client_hello(bb_client *c, const char *path)
 	if (rc)
 		return rc;
 	hr = r->hello;
+	c->proto_minor = hr->version_minor;
 	if (hr->version_major != BB_PROTO_MAJOR) {
 		rc = bbc_fail(BB_ERR_PROTOCOL,
 			      "bufbrokerd at %s speaks protocol %u.%u; this library speaks %d.%d",
@@ -164,6 +265,7 @@ BB_EXPORT int bb_connect(const char *path, bb_client **out)
 	rc = client_hello(c, path);
 	if (rc)
 		goto err;
+	daemon_identify(c, path);
 	*out = c;
 	return 0;
 

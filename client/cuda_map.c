@@ -1,12 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The CUDA side of a handle: bb_map of a CUDA buffer through one
- * process-wide cache of opened allocations, shared by every bb_client, and
- * bb_cuda_ipc_of.
+ * process-wide cache of opened (legacy) or imported (VMM) allocations,
+ * shared by every bb_client, and bb_cuda_ipc_of.
  */
 #include "cuda_map.h"
 #include "cuda_api.h"
 #include "handle.h"
+#include "vmm_fd.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /*
  * One view of the CUDA driver per process, shared by every bb_client: the
@@ -27,6 +29,15 @@
  * using each allocation and closes it when the last one goes, before that
  * handle's Release can let the daemon free the memory (freeing legacy-IPC
  * memory that another process still has open is undefined).
+ *
+ * A VMM allocation (cuMemCreate in the daemon, exported as a file
+ * descriptor) is imported from its fd, given an address range of its own
+ * and mapped whole, with read-write access for its device, once per
+ * process: later buffers of it are base + offset without a driver call.
+ * The cache counts the mapped handles using it and unmaps it when the last
+ * one goes; the import's handle is released as soon as the mapping holds
+ * the memory. The key is the daemon instance (bb_client.daemon) and the
+ * allocation id, which one daemon run never reuses; never a pointer.
  *
  * Devices are matched by UUID, never by ordinal: CUDA_VISIBLE_DEVICES may
  * number them differently here than in the daemon.
@@ -57,15 +68,35 @@ struct cuda_alloc {
 	UT_hash_handle hh;         /* cuda.allocs, keyed by key */
 };
 
+/* What identifies an imported VMM allocation. */
+struct vmm_key {
+	uint64_t daemon;     /* the daemon instance (bb_client.daemon) */
+	uint64_t allocation; /* the daemon's allocation id (Grant.allocation) */
+};
+
+/* One imported and mapped VMM allocation. */
+struct vmm_slab {
+	struct vmm_key key;   /* the hash key */
+	CUdeviceptr base;     /* its address range, mapped whole */
+	size_t size;          /* the allocation's bytes */
+	struct cuda_dev *dev; /* the device it lives on and is accessible from */
+	unsigned long users;  /* mapped handles using it */
+	int listed;           /* in cuda.slabs (uthash's out-of-memory flag) */
+	UT_hash_handle hh;    /* cuda.slabs, keyed by key */
+};
+
 static struct {
 	pthread_once_t once;       /* cuda_load runs once */
 	int loaded;                /* the driver is usable; fixed after once */
 	char why[384];             /* why it is not, for every bb_map */
+	int vmm;                   /* the driver has the VMM entry points; fixed after once */
+	char vmm_why[384];         /* why it has not */
 	bb_cuda api;               /* the driver's entry points */
 	struct cuda_dev *devs;     /* every device this process sees */
 	int ndevs;                 /* how many */
-	pthread_mutex_t mu;        /* guards devs[].ctx and allocs */
+	pthread_mutex_t mu;        /* guards devs[].ctx, allocs and slabs */
 	struct cuda_alloc *allocs; /* opened allocations (uthash) */
+	struct vmm_slab *slabs;    /* imported VMM allocations (uthash) */
 } cuda = {.once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER};
 
 /* Load the driver and list its devices; on failure cuda.why says why. */
@@ -106,6 +137,7 @@ static void cuda_load(void)
 		memcpy(d->uuid, u.bytes, sizeof(d->uuid));
 	}
 	cuda.ndevs = n;
+	cuda.vmm = bb_cuda_has_vmm(&cuda.api, cuda.vmm_why, sizeof(cuda.vmm_why));
 	cuda.loaded = 1;
 	return;
 
@@ -143,6 +175,48 @@ static void cuda_ctx_pop(CUcontext ctx, CUcontext prev)
 		(void)cuda.api.CtxSetCurrent(prev);
 }
 
+/* BB_ERR_NO_MEMORY for the driver's out of memory, else BB_ERR_SYSTEM. */
+static int cuda_code(CUresult cr)
+{
+	return cr == CUDA_ERROR_OUT_OF_MEMORY ? BB_ERR_NO_MEMORY : BB_ERR_SYSTEM;
+}
+
+/* The device with b's UUID, its primary context retained: 0, or BB_ERR_*
+ * with the last error set. cuda.mu held. */
+static int cuda_dev_of(const bb_buf *b, struct cuda_dev **out)
+{
+	struct cuda_dev *d = NULL;
+	char ub[48], eb[160];
+	CUresult cr;
+
+	for (int i = 0; i < cuda.ndevs; i++) {
+		if (memcmp(cuda.devs[i].uuid, b->device_uuid, sizeof(b->device_uuid)) == 0) {
+			d = &cuda.devs[i];
+			break;
+		}
+	}
+	if (!d) {
+		bb_cuda_uuid_format(b->device_uuid, ub);
+		return bbc_fail(BB_ERR_NOT_FOUND,
+				"no CUDA device in this process has UUID %s (buffer %" PRIu64
+				" lives there); is it hidden by CUDA_VISIBLE_DEVICES?",
+				ub, b->id);
+	}
+	if (!d->ctx) {
+		CUcontext ctx = NULL;
+
+		cr = cuda.api.DevicePrimaryCtxRetain(&ctx, d->dev);
+		if (cr != CUDA_SUCCESS)
+			return bbc_fail(
+				cr == CUDA_ERROR_OUT_OF_MEMORY ? BB_ERR_NO_MEMORY : BB_ERR_SYSTEM,
+				"retaining the primary context of CUDA device %d failed: %s",
+				(int)d->dev, bb_cuda_error(&cuda.api, cr, eb, sizeof(eb)));
+		d->ctx = ctx;
+	}
+	*out = d;
+	return 0;
+}
+
 /* The opened allocation holding b, with one more user: from the cache, or
  * opened now in the primary context of the device with b's UUID. The
  * driver must be loaded. 0, or BB_ERR_* with the last error set. */
@@ -154,7 +228,7 @@ static int cuda_open(const bb_buf *b, struct cuda_alloc **out)
 	CUipcMemHandle h;
 	CUcontext prev;
 	CUresult cr;
-	char ub[48], eb[160];
+	char eb[160];
 	int rc = 0;
 
 	memset(&key, 0, sizeof(key));
@@ -169,33 +243,9 @@ static int cuda_open(const bb_buf *b, struct cuda_alloc **out)
 		a->users++;
 		goto out;
 	}
-	for (int i = 0; i < cuda.ndevs; i++) {
-		if (memcmp(cuda.devs[i].uuid, b->device_uuid, sizeof(b->device_uuid)) == 0) {
-			d = &cuda.devs[i];
-			break;
-		}
-	}
-	if (!d) {
-		bb_cuda_uuid_format(b->device_uuid, ub);
-		rc = bbc_fail(BB_ERR_NOT_FOUND,
-			      "no CUDA device in this process has UUID %s (buffer %" PRIu64
-			      " lives there); is it hidden by CUDA_VISIBLE_DEVICES?",
-			      ub, b->id);
+	rc = cuda_dev_of(b, &d);
+	if (rc)
 		goto out;
-	}
-	if (!d->ctx) {
-		CUcontext ctx = NULL;
-
-		cr = cuda.api.DevicePrimaryCtxRetain(&ctx, d->dev);
-		if (cr != CUDA_SUCCESS) {
-			rc = bbc_fail(cr == CUDA_ERROR_OUT_OF_MEMORY ? BB_ERR_NO_MEMORY
-								     : BB_ERR_SYSTEM,
-				      "retaining the primary context of CUDA device %d failed: %s",
-				      (int)d->dev, bb_cuda_error(&cuda.api, cr, eb, sizeof(eb)));
-			goto out;
-		}
-		d->ctx = ctx;
-	}
 	a = calloc(1, sizeof(*a));
 	if (!a) {
 		rc = bbc_fail(BB_ERR_NO_MEMORY, "out of memory for a CUDA mapping");
@@ -211,11 +261,17 @@ static int cuda_open(const bb_buf *b, struct cuda_alloc **out)
 	cr = cuda.api.IpcOpenMemHandle(&a->base, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
 	if (cr != CUDA_SUCCESS) {
 		cuda_ctx_pop(d->ctx, prev);
-		rc = bbc_fail(cr == CUDA_ERROR_OUT_OF_MEMORY ? BB_ERR_NO_MEMORY : BB_ERR_SYSTEM,
+		rc = bbc_fail(cuda_code(cr),
 			      "opening the CUDA IPC handle of buffer %" PRIu64
-			      " (allocation %" PRIu64 ") on device %d failed: %s",
+			      " (allocation %" PRIu64 ") on device %d failed: %s%s",
 			      b->id, b->allocation, (int)d->dev,
-			      bb_cuda_error(&cuda.api, cr, eb, sizeof(eb)));
+			      bb_cuda_error(&cuda.api, cr, eb, sizeof(eb)),
+			      cr == CUDA_ERROR_OUT_OF_MEMORY
+				      ? ""
+				      : " (a legacy CUDA IPC handle opens only in a process that "
+					"shares the PID and IPC namespaces of bufbrokerd; across "
+					"containers, use VMM buffers: bb_alloc_cuda with "
+					"BB_CUDA_HANDLE_VMM)");
 		goto err_free;
 	}
 	a->key = key;
@@ -264,11 +320,173 @@ void bbc_cuda_unuse(struct cuda_alloc *a)
 	pthread_mutex_unlock(&cuda.mu);
 }
 
-/* bb_map of a CUDA buffer: the device pointer, opening its allocation on
- * the first map of this handle. */
+/* Import the allocation behind fd (s->size bytes) on device d, reserve
+ * an address range for it, map it there whole and give d read-write
+ * access: 0 with s->base set, or BB_ERR_* (nothing left behind). d's
+ * context is current. */
+static int vmm_import(const bb_buf *b, int fd, struct cuda_dev *d, struct vmm_slab *s)
+{
+	CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = (int)d->dev},
+			       .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	CUmemGenericAllocationHandle h;
+	const char *step;
+	char eb[160];
+	CUresult cr;
+	int stage = 0;
+
+	step = "importing its file descriptor (cuMemImportFromShareableHandle)";
+	cr = cuda.api.MemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
+						   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	if (cr != CUDA_SUCCESS)
+		goto err;
+	stage = 1;
+	step = "reserving an address range for it (cuMemAddressReserve)";
+	cr = cuda.api.MemAddressReserve(&s->base, s->size, 0, 0, 0);
+	if (cr != CUDA_SUCCESS)
+		goto err;
+	stage = 2;
+	step = "mapping it (cuMemMap)";
+	cr = cuda.api.MemMap(s->base, s->size, 0, h, 0);
+	if (cr != CUDA_SUCCESS)
+		goto err;
+	stage = 3;
+	step = "giving its device access (cuMemSetAccess)";
+	cr = cuda.api.MemSetAccess(s->base, s->size, &acc, 1);
+	if (cr != CUDA_SUCCESS)
+		goto err;
+	/* The mapping holds the memory now; the handle is not needed. */
+	(void)cuda.api.MemRelease(h);
+	return 0;
+
+err:
+	if (stage >= 3)
+		(void)cuda.api.MemUnmap(s->base, s->size);
+	if (stage >= 2)
+		(void)cuda.api.MemAddressFree(s->base, s->size);
+	if (stage >= 1)
+		(void)cuda.api.MemRelease(h);
+	return bbc_fail(cuda_code(cr),
+			"mapping VMM CUDA buffer %" PRIu64 " (allocation %" PRIu64
+			" of %zu bytes) on device %d failed %s: %s",
+			b->id, b->allocation, s->size, (int)d->dev, step,
+			bb_cuda_error(&cuda.api, cr, eb, sizeof(eb)));
+}
+
+/* Unmap s and free its address range, in its device's context. */
+static void vmm_unmap(struct vmm_slab *s)
+{
+	CUcontext prev;
+
+	if (cuda_ctx_push(s->dev->ctx, &prev) != CUDA_SUCCESS)
+		return;
+	/* Nothing to tell anyone if these fail: the mapping is gone either
+	 * way. */
+	(void)cuda.api.MemUnmap(s->base, s->size);
+	(void)cuda.api.MemAddressFree(s->base, s->size);
+	cuda_ctx_pop(s->dev->ctx, prev);
+}
+
+/* The mapped VMM allocation holding b, with one more user: from the
+ * cache, or imported and mapped now in the primary context of the device
+ * with b's UUID, from the connection's fd for it (or one asked for). The
+ * driver must be loaded with VMM. 0, or BB_ERR_* with the last error set. */
+static int vmm_open(bb_buf *b, struct vmm_slab **out)
+{
+	struct vmm_key key = {.daemon = b->client->daemon, .allocation = b->allocation};
+	struct vmm_slab *s = NULL;
+	struct cuda_dev *d;
+	CUcontext prev;
+	CUresult cr;
+	char eb[160];
+	int fd = -1, owned = 0, rc;
+
+	pthread_mutex_lock(&cuda.mu);
+	HASH_FIND(hh, cuda.slabs, &key, sizeof(key), s);
+	if (s)
+		s->users++;
+	pthread_mutex_unlock(&cuda.mu);
+	if (s) {
+		*out = s;
+		return 0;
+	}
+
+	/* Not mapped here yet: the fd first, which may take a round trip,
+	 * so not under the lock. */
+	rc = bbc_vmm_fd_get(b, &fd, &owned);
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&cuda.mu);
+	HASH_FIND(hh, cuda.slabs, &key, sizeof(key), s);
+	if (s) {
+		s->users++; /* another thread mapped it meanwhile */
+		goto out;
+	}
+	rc = cuda_dev_of(b, &d);
+	if (rc)
+		goto out;
+	s = calloc(1, sizeof(*s));
+	if (!s) {
+		rc = bbc_fail(BB_ERR_NO_MEMORY, "out of memory for a CUDA mapping");
+		goto out;
+	}
+	s->key = key;
+	s->size = (size_t)b->allocation_size;
+	s->dev = d;
+	cr = cuda_ctx_push(d->ctx, &prev);
+	if (cr != CUDA_SUCCESS) {
+		rc = bbc_fail(BB_ERR_SYSTEM, "making CUDA device %d current failed: %s",
+			      (int)d->dev, bb_cuda_error(&cuda.api, cr, eb, sizeof(eb)));
+		goto err_free;
+	}
+	rc = vmm_import(b, fd, d, s);
+	cuda_ctx_pop(d->ctx, prev);
+	if (rc)
+		goto err_free;
+	s->users = 1;
+	s->listed = 1;
+	HASH_ADD(hh, cuda.slabs, key, sizeof(s->key), s);
+	if (!s->listed) {
+		/* Unlisted, the next buffer of it would map it again. */
+		vmm_unmap(s);
+		rc = bbc_fail(BB_ERR_NO_MEMORY, "out of memory for a CUDA mapping");
+		goto err_free;
+	}
+	goto out;
+
+err_free:
+	free(s);
+	s = NULL;
+out:
+	pthread_mutex_unlock(&cuda.mu);
+	if (owned)
+		close(fd);
+	*out = s;
+	return rc;
+}
+
+/* Drop one user of s; the last one unmaps it and forgets it. Unmapping
+ * under the lock keeps a concurrent vmm_open of the same allocation from
+ * finding it half gone. */
+void bbc_cuda_vmm_unuse(struct vmm_slab *s)
+{
+	pthread_mutex_lock(&cuda.mu);
+	if (--s->users == 0) {
+		HASH_DEL(cuda.slabs, s);
+		vmm_unmap(s);
+		free(s);
+	}
+	pthread_mutex_unlock(&cuda.mu);
+}
+
+/* bb_map of a CUDA buffer: the device pointer, opening (legacy) or
+ * importing and mapping (VMM) its allocation on the first map of this
+ * handle. */
 int bbc_cuda_map(bb_buf *b, void **ptr_out)
 {
+	int vmm = b->handle == BB_CUDA_HANDLE_VMM;
 	struct cuda_alloc *a;
+	struct vmm_slab *s;
+	CUdeviceptr base = 0;
 	void *p;
 	int rc = 0;
 
@@ -277,19 +495,35 @@ int bbc_cuda_map(bb_buf *b, void **ptr_out)
 		*ptr_out = p;
 		return 0;
 	}
-	if (!b->has_ipc)
-		return bbc_fail(BB_ERR_PROTOCOL,
-				"bufbrokerd sent no IPC handle for CUDA buffer %" PRIu64, b->id);
+	if (vmm ? !b->has_vmm : !b->has_ipc)
+		return bbc_fail(BB_ERR_PROTOCOL, "bufbrokerd sent no %s for CUDA buffer %" PRIu64,
+				vmm ? "allocation" : "IPC handle", b->id);
 	rc = cuda_require();
 	if (rc)
 		return rc;
+	if (vmm && !cuda.vmm)
+		return bbc_fail(BB_ERR_UNSUPPORTED,
+				"buffer %" PRIu64 " is a VMM CUDA buffer, which cannot be mapped "
+				"here: %s",
+				b->id, cuda.vmm_why);
 	pthread_mutex_lock(&b->map_mu);
 	p = atomic_load_explicit(&b->map, memory_order_relaxed);
 	if (!p) {
-		rc = cuda_open(b, &a);
+		if (vmm) {
+			rc = vmm_open(b, &s);
+			if (rc == 0) {
+				b->vmap = s;
+				base = s->base;
+			}
+		} else {
+			rc = cuda_open(b, &a);
+			if (rc == 0) {
+				b->cmap = a;
+				base = a->base;
+			}
+		}
 		if (rc == 0) {
-			b->cmap = a;
-			p = (void *)(uintptr_t)(a->base + b->ipc_offset);
+			p = (void *)(uintptr_t)(base + b->ipc_offset);
 			atomic_store_explicit(&b->map, p, memory_order_release);
 		}
 	}
@@ -298,15 +532,33 @@ int bbc_cuda_map(bb_buf *b, void **ptr_out)
 	return rc;
 }
 
-BB_EXPORT int bb_cuda_ipc_of(bb_buf *b, bb_cuda_ipc *out)
+int bbc_cuda_handle_check(const bb_buf *b, bb_cuda_handle want)
 {
-	if (!b || !out)
-		return bbc_fail(BB_ERR_INVALID, "bb_cuda_ipc_of: buffer and out are required");
 	if (b->kind != BB_CUDA)
 		return bbc_fail(BB_ERR_INVALID, "buffer %" PRIu64 " is not a CUDA buffer", b->id);
-	if (!b->has_ipc)
-		return bbc_fail(BB_ERR_PROTOCOL,
-				"bufbrokerd sent no IPC handle for CUDA buffer %" PRIu64, b->id);
+	if (b->handle != want)
+		return bbc_fail(
+			BB_ERR_UNSUPPORTED,
+			"buffer %" PRIu64 " is a %s CUDA buffer: it has %s (%s), not %s", b->id,
+			b->handle == BB_CUDA_HANDLE_VMM ? "VMM" : "legacy",
+			b->handle == BB_CUDA_HANDLE_VMM ? "a file descriptor" : "an IPC handle",
+			b->handle == BB_CUDA_HANDLE_VMM ? "bb_cuda_vmm_of" : "bb_cuda_ipc_of",
+			want == BB_CUDA_HANDLE_VMM ? "a file descriptor" : "an IPC handle");
+	if (want == BB_CUDA_HANDLE_VMM ? !b->has_vmm : !b->has_ipc)
+		return bbc_fail(BB_ERR_PROTOCOL, "bufbrokerd sent no %s for CUDA buffer %" PRIu64,
+				want == BB_CUDA_HANDLE_VMM ? "allocation" : "IPC handle", b->id);
+	return 0;
+}
+
+BB_EXPORT int bb_cuda_ipc_of(bb_buf *b, bb_cuda_ipc *out)
+{
+	int rc;
+
+	if (!b || !out)
+		return bbc_fail(BB_ERR_INVALID, "bb_cuda_ipc_of: buffer and out are required");
+	rc = bbc_cuda_handle_check(b, BB_CUDA_HANDLE_LEGACY);
+	if (rc)
+		return rc;
 	memset(out, 0, sizeof(*out));
 	memcpy(out->handle, b->ipc_handle, BB_IPC_HANDLE_SIZE);
 	out->offset = b->ipc_offset;

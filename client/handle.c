@@ -12,6 +12,7 @@
  */
 #include "handle.h"
 #include "cuda_map.h"
+#include "vmm_fd.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -26,6 +27,7 @@
 
 #include "kinds.h"
 #include "utf8.h"
+#include "wire.h"
 
 /* Unmap, close and free a handle that is off every list. A CUDA handle
  * gives up its use of the allocation, which closes it when it was the
@@ -36,8 +38,11 @@ void bbc_buf_free(bb_buf *b)
 
 	if (b->cmap)
 		bbc_cuda_unuse(b->cmap);
+	else if (b->vmap)
+		bbc_cuda_vmm_unuse(b->vmap);
 	else if (m)
 		munmap(m, b->size);
+	bbc_vmm_fd_drop(b);
 	if (b->fd >= 0)
 		close(b->fd);
 	pthread_mutex_destroy(&b->map_mu);
@@ -51,9 +56,10 @@ static int buf_from_grant(bb_client *c, const Bufbroker__Response *r, int fd, bb
 {
 	const Bufbroker__BufferInfo *info = r->grant ? r->grant->info : NULL;
 	const Bufbroker__Grant *grant;
+	bb_cuda_handle handle = BB_CUDA_HANDLE_DEFAULT;
 	bb_buf *b, *old;
 	uint64_t id;
-	int rc = 0;
+	int vfd = -1, rc = 0;
 
 	if (!info || info->id == 0 || info->size == 0 || info->size > SIZE_MAX ||
 	    !bb_kind_valid(info->kind))
@@ -72,16 +78,27 @@ static int buf_from_grant(bb_client *c, const Bufbroker__Response *r, int fd, bb
 		return rc;
 	}
 	id = info->id;
-	if (info->kind == BUFBROKER__KIND__KIND_CUDA && fd >= 0) {
-		close(fd);
+	grant = r->grant;
+	if (info->kind == BUFBROKER__KIND__KIND_CUDA) {
+		/* A VMM allocation's fd comes with the first grant of that
+		 * allocation on this connection; kept per connection below. A
+		 * legacy buffer has none. */
+		handle = info->cuda_handle == BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM
+				 ? BB_CUDA_HANDLE_VMM
+				 : BB_CUDA_HANDLE_LEGACY;
+		if (handle == BB_CUDA_HANDLE_VMM && grant->allocation_fd)
+			vfd = fd;
+		else if (fd >= 0)
+			close(fd);
 		fd = -1;
 	}
-	grant = r->grant;
 
 	b = calloc(1, sizeof(*b));
 	if (!b) {
 		if (fd >= 0)
 			close(fd);
+		if (vfd >= 0)
+			close(vfd);
 		bbc_release_one(c, id);
 		return bbc_fail(BB_ERR_NO_MEMORY, "out of memory for a buffer handle");
 	}
@@ -90,18 +107,28 @@ static int buf_from_grant(bb_client *c, const Bufbroker__Response *r, int fd, bb
 	b->size = (size_t)info->size;
 	b->kind = (bb_kind)info->kind;
 	b->device = info->device;
+	b->handle = handle;
 	atomic_init(&b->count, 1);
 	atomic_init(&b->map, NULL);
 	b->fd = fd;
 	/* A CUDA grant without a well-formed handle still makes a handle:
-	 * it can be counted, waited on and passed on; bb_map and
-	 * bb_cuda_ipc_of say what is missing. */
-	if (b->kind == BB_CUDA && grant->ipc_handle.len == BB_IPC_HANDLE_SIZE &&
+	 * it can be counted, waited on and passed on; bb_map,
+	 * bb_cuda_ipc_of and bb_cuda_vmm_of say what is missing. */
+	if (handle == BB_CUDA_HANDLE_LEGACY && grant->ipc_handle.len == BB_IPC_HANDLE_SIZE &&
 	    grant->device_uuid.len == sizeof(b->device_uuid)) {
 		b->has_ipc = 1;
 		memcpy(b->ipc_handle, grant->ipc_handle.data, BB_IPC_HANDLE_SIZE);
 		b->ipc_offset = grant->offset;
 		b->allocation = grant->allocation;
+		memcpy(b->device_uuid, grant->device_uuid.data, sizeof(b->device_uuid));
+	} else if (handle == BB_CUDA_HANDLE_VMM && grant->allocation != 0 &&
+		   grant->device_uuid.len == sizeof(b->device_uuid) &&
+		   grant->allocation_size <= SIZE_MAX && grant->offset <= grant->allocation_size &&
+		   info->size <= grant->allocation_size - grant->offset) {
+		b->has_vmm = 1;
+		b->ipc_offset = grant->offset;
+		b->allocation = grant->allocation;
+		b->allocation_size = grant->allocation_size;
 		memcpy(b->device_uuid, grant->device_uuid.data, sizeof(b->device_uuid));
 	}
 	pthread_mutex_init(&b->map_mu, NULL);
@@ -110,12 +137,20 @@ static int buf_from_grant(bb_client *c, const Bufbroker__Response *r, int fd, bb
 	HASH_FIND(hh, c->bufs, &id, sizeof(id), old);
 	if (old) {
 		atomic_fetch_add_explicit(&old->count, 1, memory_order_relaxed);
+		if (b->has_vmm)
+			bbc_vmm_fd_offer_locked(c, b->allocation, vfd);
+		else if (vfd >= 0)
+			close(vfd);
 		pthread_mutex_unlock(&c->mu);
 		bbc_buf_free(b);
 		bbc_release_one(c, id);
 		*out = old;
 		return 0;
 	}
+	if (b->has_vmm)
+		bbc_vmm_fd_add_locked(c, b, vfd);
+	else if (vfd >= 0)
+		close(vfd);
 	b->listed = 1;
 	HASH_ADD(hh, c->bufs, id, sizeof(b->id), b);
 	DL_APPEND(c->all, b);
@@ -163,6 +198,23 @@ static int check_opts(const bb_alloc_opts *opts)
 
 BB_EXPORT int bb_alloc(bb_client *c, const bb_alloc_opts *opts, bb_buf **out)
 {
+	return bb_alloc_cuda(c, opts, BB_CUDA_HANDLE_DEFAULT, out);
+}
+
+static const char *handle_name(bb_cuda_handle h)
+{
+	switch (h) {
+	case BB_CUDA_HANDLE_DEFAULT: return "default";
+	case BB_CUDA_HANDLE_AUTO: return "auto";
+	case BB_CUDA_HANDLE_LEGACY: return "legacy";
+	case BB_CUDA_HANDLE_VMM: return "vmm";
+	}
+	return "unknown";
+}
+
+BB_EXPORT int bb_alloc_cuda(bb_client *c, const bb_alloc_opts *opts, bb_cuda_handle handle,
+			    bb_buf **out)
+{
 	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	int rc;
@@ -173,14 +225,39 @@ BB_EXPORT int bb_alloc(bb_client *c, const bb_alloc_opts *opts, bb_buf **out)
 	rc = check_opts(opts);
 	if (rc)
 		return rc;
+	if (handle < BB_CUDA_HANDLE_DEFAULT || handle > BB_CUDA_HANDLE_VMM)
+		return bbc_fail(BB_ERR_INVALID, "unknown CUDA handle kind %d", (int)handle);
+	if (opts->kind != BB_CUDA && handle != BB_CUDA_HANDLE_DEFAULT)
+		return bbc_fail(BB_ERR_INVALID,
+				"a host buffer has no CUDA handle kind (asked for %s)",
+				handle_name(handle));
+	/* A daemon before protocol 1.2 ignores the kind asked for and makes
+	 * a legacy buffer: never let that stand for VMM. */
+	if (handle == BB_CUDA_HANDLE_VMM && c->proto_minor < 2)
+		return bbc_fail(BB_ERR_UNSUPPORTED,
+				"VMM CUDA buffers need protocol 1.2; bufbrokerd speaks %d.%u: "
+				"upgrade bufbrokerd",
+				BB_PROTO_MAJOR, c->proto_minor);
 	a.size = opts->size;
 	a.kind = (Bufbroker__Kind)opts->kind;
 	a.device = opts->device;
 	a.name = opts->name ? (char *)opts->name : "";
 	a.share = (uint32_t)opts->share;
+	a.cuda_handle = (Bufbroker__CudaHandle)handle;
 	req.op_case = BUFBROKER__REQUEST__OP_ALLOC;
 	req.alloc = &a;
-	return buf_rpc_grant(c, &req, -1, out);
+	rc = buf_rpc_grant(c, &req, -1, out);
+	if (rc == 0 && (handle == BB_CUDA_HANDLE_LEGACY || handle == BB_CUDA_HANDLE_VMM) &&
+	    (*out)->handle != handle) {
+		bb_cuda_handle got = (*out)->handle;
+
+		bb_unref(*out);
+		*out = NULL;
+		rc = bbc_fail(BB_ERR_PROTOCOL,
+			      "asked bufbrokerd for a %s CUDA buffer and got a %s one",
+			      handle_name(handle), handle_name(got));
+	}
+	return rc;
 }
 
 BB_EXPORT int bb_import_fd(bb_client *c, int fd, const bb_alloc_opts *opts, bb_buf **out)

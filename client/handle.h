@@ -23,6 +23,7 @@
 #include <uthash.h>
 
 struct cuda_alloc;
+struct vmm_slab;
 
 struct bb_buf {
 	bb_client *client;
@@ -34,16 +35,21 @@ struct bb_buf {
 	pthread_mutex_t map_mu;     /* serializes the first bb_map */
 	int fd;                     /* host memfd until mapped, else -1 (map_mu) */
 	_Atomic(void *) map;        /* host mapping or CUDA device pointer, once made */
-	struct cuda_alloc *cmap;    /* CUDA: the opened allocation, once mapped (map_mu) */
+	struct cuda_alloc *cmap;    /* legacy CUDA: the opened allocation, once mapped (map_mu) */
+	struct vmm_slab *vmap;      /* VMM CUDA: the imported allocation, once mapped (map_mu) */
 	int listed;                 /* in client->bufs (client->mu) */
 	UT_hash_handle hh;          /* client->bufs, keyed by id */
 	struct bb_buf *prev, *next; /* client->all (client->mu) */
 	/* CUDA: where the buffer lives, from the grant; fixed once made. */
-	int has_ipc;                                  /* the grant carried these fields */
+	bb_cuda_handle handle;                        /* LEGACY or VMM; DEFAULT for host */
+	int has_ipc;                                  /* LEGACY: the grant carried these fields */
+	int has_vmm;                                  /* VMM: the grant carried these fields */
+	int vmm_counted;                              /* VMM: counted in client->vmm_fds */
+	uint64_t allocation_size;                     /* VMM: bytes of the allocation */
 	unsigned char ipc_handle[BB_IPC_HANDLE_SIZE]; /* the allocation's IPC handle */
-	uint64_t ipc_offset;                          /* buffer start inside the allocation */
-	uint64_t allocation;                          /* the daemon's id of the allocation */
-	unsigned char device_uuid[16];                /* the device it lives on */
+	uint64_t ipc_offset;           /* buffer start inside the allocation (both) */
+	uint64_t allocation;           /* the daemon's id of the allocation */
+	unsigned char device_uuid[16]; /* the device it lives on */
 };
 
 /* Unmap, close and free b, which is off every list of its client. A CUDA

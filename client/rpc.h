@@ -22,6 +22,8 @@
 
 struct call;
 struct bb_buf;
+struct vmm_fd;
+struct daemon_rec;
 
 struct bb_client {
 	int sock;                /* SOCK_SEQPACKET, blocking */
@@ -38,6 +40,11 @@ struct bb_client {
 	size_t max_send;         /* the daemon's datagram limit */
 	struct bb_buf *bufs;     /* listed handles by id (uthash) */
 	struct bb_buf *all;      /* every live handle, listed or not */
+	uint32_t proto_minor;    /* the daemon's protocol minor version (HelloReply) */
+	uint64_t daemon;         /* the daemon instance, process-wide (connect.c); never 0 */
+	struct daemon_rec *drec; /* its record, or NULL (connect.c) */
+	struct bb_client *dprev, *dnext; /* drec's connections (connect.c) */
+	struct vmm_fd *vmm_fds;          /* VMM allocations' fds by allocation (vmm_fd.c, uthash) */
 };
 
 /* A thread-safe strerror: the message for errno value err, in buf (len

@@ -9,7 +9,8 @@
 # Usage: scripts/valgrind.sh [BUILD_DIR]   (default: build/, a non-sanitized
 #        tree that scripts/test.sh or bb_build has built)
 # Environment: BB_VALGRIND_TESTS="api faults ..." to pick the test programs
-#        (tests/integration/test_NAME.c), BB_VALGRIND_JOBS (default 2) test
+#        (tests/integration/test_NAME.c; NAME_vmm runs test_NAME with VMM
+#        CUDA buffers as the daemons' default, as ctest's *_vmm tests do), BB_VALGRIND_JOBS (default 2) test
 #        programs at once, BB_VALGRIND_LOGS=DIR to keep the logs there.
 # Exits 0 when clean, 1 when not, 77 when valgrind is not installed or when
 # a test program was clean but skipped some of its tests (it exited 77:
@@ -25,7 +26,7 @@ case "$build" in
 /*) ;;
 *) build="$BB_ROOT/$build" ;;
 esac
-tests="${BB_VALGRIND_TESTS:-api admin cuda vmm_wire badinput faults soak}"
+tests="${BB_VALGRIND_TESTS:-api admin cuda cuda_vmm vmm_wire badinput faults soak}"
 jobs="${BB_VALGRIND_JOBS:-2}"
 
 if ! command -v valgrind >/dev/null 2>&1; then
@@ -33,8 +34,8 @@ if ! command -v valgrind >/dev/null 2>&1; then
 	exit 77
 fi
 for t in $tests; do
-	if [ ! -x "$build/integ_test_$t" ]; then
-		echo "error: $build/integ_test_$t is missing: build $build first" >&2
+	if [ ! -x "$build/integ_test_${t%_vmm}" ]; then
+		echo "error: $build/integ_test_${t%_vmm} is missing: build $build first" >&2
 		exit 1
 	fi
 done
@@ -79,10 +80,11 @@ vg=(valgrind --tool=memcheck --trace-children=yes --leak-check=full
 
 run_one()
 {
-	local t="$1" start rc
+	local t="$1" start rc handle=
 	start=$(date +%s)
-	"${vg[@]}" --log-file="$logs/$t.%p.%n.log" "$build/integ_test_$t" --jobs 1 \
-		>"$logs/$t.out" 2>&1
+	[ "$t" != "${t%_vmm}" ] && handle=vmm
+	BBT_CUDA_HANDLE=$handle "${vg[@]}" --log-file="$logs/$t.%p.%n.log" \
+		"$build/integ_test_${t%_vmm}" --jobs 1 >"$logs/$t.out" 2>&1
 	rc=$?
 	echo "$rc $(($(date +%s) - start))" >"$logs/$t.rc"
 }

@@ -398,16 +398,26 @@ static void json_str(const char *s)
 	putchar('"');
 }
 
+/* How a CUDA buffer is shared: "legacy" (IPC handle) or "vmm" (an
+ * allocation's file descriptor); "" for a host buffer. A daemon before
+ * protocol 1.2 sends no kind: its CUDA buffers are all legacy. */
+static const char *handle_str(const Bufbroker__BufferInfo *b)
+{
+	if (b->kind != BUFBROKER__KIND__KIND_CUDA)
+		return "";
+	return b->cuda_handle == BUFBROKER__CUDA_HANDLE__CUDA_HANDLE_VMM ? "vmm" : "legacy";
+}
+
 static void json_buffer(const Bufbroker__BufferInfo *b)
 {
 	printf("{\"id\":%" PRIu64 ",\"name\":", b->id);
 	json_str(b->name);
-	printf(",\"kind\":\"%s\",\"device\":%" PRId32 ",\"size\":%" PRIu64
+	printf(",\"kind\":\"%s\",\"device\":%" PRId32 ",\"cuda_handle\":\"%s\",\"size\":%" PRIu64
 	       ",\"state\":\"%s\",\"refs\":%" PRIu64 ",\"tokens\":%" PRIu32
 	       ",\"owner_uid\":%" PRIu32 ",\"owner_gid\":%" PRIu32
 	       ",\"share\":\"%s\",\"age_ms\":%" PRIu64 ",\"error\":",
-	       bb_kind_name(b->kind), b->device, b->size, state_str(b->state), b->refs, b->tokens,
-	       b->owner_uid, b->owner_gid, share_str(b->share), b->age_ms);
+	       bb_kind_name(b->kind), b->device, handle_str(b), b->size, state_str(b->state),
+	       b->refs, b->tokens, b->owner_uid, b->owner_gid, share_str(b->share), b->age_ms);
 	json_str(b->error);
 	putchar('}');
 }
@@ -583,11 +593,22 @@ static int cmd_status(bb_client *c, bool json)
 	return 0;
 }
 
-enum { COL_ID, COL_NAME, COL_KIND, COL_DEV, COL_SIZE, COL_STATE, COL_REFS, COL_OWNER, NCOLS };
+enum {
+	COL_ID,
+	COL_NAME,
+	COL_KIND,
+	COL_DEV,
+	COL_HANDLE,
+	COL_SIZE,
+	COL_STATE,
+	COL_REFS,
+	COL_OWNER,
+	NCOLS
+};
 
-static const char *const col_title[NCOLS] = {"ID",   "NAME",  "KIND", "DEV",
+static const char *const col_title[NCOLS] = {"ID",   "NAME",  "KIND", "DEV",  "HANDLE",
 					     "SIZE", "STATE", "REFS", "OWNER"};
-static const bool col_right[NCOLS] = {true, false, false, true, true, false, true, true};
+static const bool col_right[NCOLS] = {true, false, false, true, false, true, false, true, true};
 
 /* One ls row as text; the name is the only cell that can be long. */
 struct ls_row {
@@ -604,6 +625,7 @@ static void ls_row_fill(const Bufbroker__BufferInfo *b, struct ls_row *row)
 		snprintf(row->cell[COL_DEV], 32, "%" PRId32, b->device);
 	else
 		snprintf(row->cell[COL_DEV], 32, "-");
+	snprintf(row->cell[COL_HANDLE], 32, "%s", *handle_str(b) ? handle_str(b) : "-");
 	fmt_size(b->size, row->cell[COL_SIZE], 32);
 	snprintf(row->cell[COL_STATE], 32, "%s", state_str(b->state));
 	snprintf(row->cell[COL_REFS], 32, "%" PRIu64, b->refs);
@@ -824,6 +846,7 @@ static int cmd_stat(bb_client *c, bool json, uint64_t id, const char *name)
 		put_text(b->name && *b->name ? b->name : "-");
 		printf("\nkind      %s\n", bb_kind_name(b->kind));
 		printf("device    %" PRId32 "\n", b->device);
+		printf("handle    %s\n", *handle_str(b) ? handle_str(b) : "-");
 		printf("size      %s (%" PRIu64 " bytes)\n", sz, b->size);
 		printf("state     %s\n", state_str(b->state));
 		printf("refs      %" PRIu64 "\n", b->refs);

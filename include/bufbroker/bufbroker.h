@@ -189,7 +189,9 @@ int bb_alloc(bb_client *c, const bb_alloc_opts *opts, bb_buf **out);
  * forbade that kind). AUTO is VMM where the daemon's device, driver and
  * configuration allow it, else LEGACY. VMM buffers share allocations as
  * LEGACY ones do (same device, owner uid and share policy), never with
- * LEGACY ones. */
+ * LEGACY ones. VMM from a daemon older than protocol 1.2 (which would
+ * ignore the kind): BB_ERR_UNSUPPORTED, not sent; a handle out of range:
+ * BB_ERR_INVALID. */
 int bb_alloc_cuda(bb_client *c, const bb_alloc_opts *opts, bb_cuda_handle handle, bb_buf **out);
 /* One more reference to an existing buffer (coalesced per connection: an id
  * this connection already holds returns the same handle, one more count).
@@ -270,7 +272,18 @@ int bb_wait(bb_buf *b, int timeout_ms, bb_state *state_out);
  * not ordinal, so CUDA_VISIBLE_DEVICES may differ between the daemon and
  * this process; no visible device with that UUID: BB_ERR_NOT_FOUND. The
  * CUDA driver is loaded from $BUFBROKER_CUDA_LIBRARY (default
- * libcuda.so.1); without it: BB_ERR_UNSUPPORTED. */
+ * libcuda.so.1); without it: BB_ERR_UNSUPPORTED. Both handle kinds give a
+ * device pointer alike. The first bb_map in this process of a buffer of a
+ * given allocation opens (legacy) or imports and maps (VMM: the whole
+ * allocation, read-write for the buffer's device) that allocation; a later
+ * buffer of it, through any bb_client of this process connected to the same
+ * daemon, costs no driver call; the last mapped handle of it to go closes
+ * or unmaps it, before its Release is sent. A VMM buffer where the driver
+ * lacks the VMM API: BB_ERR_UNSUPPORTED, saying which entry point is
+ * missing. A legacy buffer's handle opens only in a process that shares
+ * the daemon's PID and IPC namespaces: elsewhere (another container) its
+ * bb_map fails (BB_ERR_SYSTEM, the message says so); VMM buffers need
+ * nothing but the socket. */
 int bb_map(bb_buf *b, void **ptr_out);
 /* BB_CUDA only (a host buffer: BB_ERR_INVALID): the allocation's IPC handle,
  * the same 64 bytes as a runtime cudaIpcMemHandle_t, so that a framework
@@ -294,7 +307,10 @@ bb_cuda_handle bb_cuda_handle_of(const bb_buf *b);
  * of times, also beside bb_map. The fd, an import or a mapping keeps the
  * allocation's device memory alive in this process even after the buffer's
  * last count goes, outside the daemon's accounting: close and release
- * them with the buffer. */
+ * them with the buffer. The connection keeps one fd per allocation while
+ * it holds a buffer there; when it has none (it let the allocation's
+ * last handle go while the grant of this one was on its way) this call
+ * and bb_map ask the daemon for it again (one round trip). */
 int bb_cuda_vmm_of(bb_buf *b, bb_cuda_vmm *out);
 
 /* The handle's buffer: id, size in bytes, kind; 0 for NULL. */

@@ -47,7 +47,7 @@ from ._native import (
     TOKEN_SIZE,
     library_candidates,
 )
-from .client import Buffer, Client, CudaIpc, Info, Tensor, strerror
+from .client import Buffer, Client, CudaIpc, CudaVmm, Info, Tensor, strerror
 from .errors import (
     ERR_DENIED,
     ERR_DISCONNECTED,
@@ -86,6 +86,7 @@ __all__ = [
     "Tensor",
     "Info",
     "CudaIpc",
+    "CudaVmm",
     "strerror",
     "error_class",
     "library_candidates",

@@ -27,6 +27,10 @@ STATE_FAILED = 2
 SHARE_UID = 0
 SHARE_GID = 1
 SHARE_ANY = 2
+CUDA_HANDLE_DEFAULT = 0
+CUDA_HANDLE_AUTO = 1
+CUDA_HANDLE_LEGACY = 2
+CUDA_HANDLE_VMM = 3
 
 
 class bb_token(ctypes.Structure):
@@ -65,6 +69,17 @@ class bb_cuda_ipc(ctypes.Structure):
     ]
 
 
+class bb_cuda_vmm(ctypes.Structure):
+    _fields_ = [
+        ("fd", ctypes.c_int),
+        ("allocation", ctypes.c_uint64),
+        ("allocation_size", ctypes.c_size_t),
+        ("offset", ctypes.c_uint64),
+        ("size", ctypes.c_size_t),
+        ("device_uuid", ctypes.c_ubyte * 16),
+    ]
+
+
 _client_p = ctypes.c_void_p  # bb_client *
 _buf_p = ctypes.c_void_p  # bb_buf *
 _P = ctypes.POINTER
@@ -88,6 +103,9 @@ _PROTOTYPES: Dict[str, Tuple[Any, List[Any]]] = {
     "bb_wait": (ctypes.c_int, [_buf_p, ctypes.c_int, _P(ctypes.c_int)]),
     "bb_map": (ctypes.c_int, [_buf_p, _P(ctypes.c_void_p)]),
     "bb_cuda_ipc_of": (ctypes.c_int, [_buf_p, _P(bb_cuda_ipc)]),
+    "bb_alloc_cuda": (ctypes.c_int, [_client_p, _P(bb_alloc_opts), ctypes.c_int, _P(_buf_p)]),
+    "bb_cuda_handle_of": (ctypes.c_int, [_buf_p]),
+    "bb_cuda_vmm_of": (ctypes.c_int, [_buf_p, _P(bb_cuda_vmm)]),
     "bb_id": (ctypes.c_uint64, [_buf_p]),
     "bb_size": (ctypes.c_size_t, [_buf_p]),
     "bb_buf_kind": (ctypes.c_int, [_buf_p]),

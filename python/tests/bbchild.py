@@ -100,7 +100,13 @@ def cuda_read(socket, token, driver_path, results):
         state = buf.wait(10)
         ptr = buf.__cuda_array_interface__["data"][0]
         drv = FakeDriver(driver_path)
-        drv.use_device(buf.cuda_ipc().device_uuid)
+        if buf.cuda_handle == "vmm":
+            vmm = buf.cuda_vmm()
+            os.close(vmm.fd)
+            uuid = vmm.device_uuid
+        else:
+            uuid = buf.cuda_ipc().device_uuid
+        drv.use_device(uuid)
         results.send((state, drv.dtoh(ptr, buf.size)))
 
 

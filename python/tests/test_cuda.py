@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CUDA buffers: __cuda_array_interface__ and cuda_ipc(), against the fake
-driver ($BB_FAKECUDA, libfakecuda.so) or, with $BB_REAL_CUDA=1, the real one."""
+"""CUDA buffers of both handle kinds (legacy IPC handles and VMM file
+descriptors): __cuda_array_interface__, cuda_ipc() and cuda_vmm(), against
+the fake driver ($BB_FAKECUDA, libfakecuda.so) or, with $BB_REAL_CUDA=1, the
+real one."""
 
 import gc
 import os
@@ -84,16 +86,58 @@ def test_exported_cuda_buffer_stays_referenced_until_collected(cuda_client):
         cuda_client.stat(id_)
 
 
+@pytest.mark.parametrize("handle", ["legacy", "vmm"])
+def test_each_handle_kind_is_what_was_asked_for_and_has_its_own_description(cuda_client, handle):
+    other = {"legacy": "vmm", "vmm": "legacy"}[handle]
+    with cuda_client.alloc(4096, kind="cuda", cuda_handle=handle) as buf:
+        assert buf.cuda_handle == handle
+        if handle == "vmm":
+            vmm = buf.cuda_vmm()
+            assert isinstance(vmm, bufbroker.CudaVmm)
+            try:
+                assert vmm.fd >= 0 and os.fstat(vmm.fd)
+                assert vmm.size == 4096 and vmm.offset + vmm.size <= vmm.allocation_size
+                assert vmm.allocation != 0 and len(vmm.device_uuid) == 16
+            finally:
+                os.close(vmm.fd)
+            with pytest.raises(bufbroker.Unsupported):
+                buf.cuda_ipc()
+        else:
+            assert len(buf.cuda_ipc().handle) == bufbroker.IPC_HANDLE_SIZE
+            with pytest.raises(bufbroker.Unsupported):
+                buf.cuda_vmm()
+        cai = buf.__cuda_array_interface__
+        assert cai["shape"] == (4096,) and cai["typestr"] == "|u1" and cai["version"] == 3
+        assert cai["data"][0] != 0 and cai["data"][1] is False
+    with cuda_client.alloc(4096, kind="cuda", cuda_handle=other) as buf:
+        assert buf.cuda_handle == other
+    with cuda_client.alloc(4096) as host:
+        assert host.cuda_handle is None
+    with pytest.raises(bufbroker.InvalidArgument):
+        cuda_client.alloc(4096, cuda_handle=handle)
+    with pytest.raises(bufbroker.InvalidArgument):
+        cuda_client.alloc(4096, kind="cuda", cuda_handle="ipc")
+
+
+def _device_uuid(buf):
+    if buf.cuda_handle == "vmm":
+        vmm = buf.cuda_vmm()
+        os.close(vmm.fd)
+        return vmm.device_uuid
+    return buf.cuda_ipc().device_uuid
+
+
 @pytest.mark.skipif(not FAKE or REAL, reason="moves bytes through the fake driver's copy functions")
-def test_bytes_written_at_the_interface_pointer_reach_another_process(cuda_client):
+@pytest.mark.parametrize("handle", ["legacy", "vmm"])
+def test_bytes_written_at_the_interface_pointer_reach_another_process(cuda_client, handle):
     import multiprocessing
 
     import bbchild
 
     drv = bbchild.FakeDriver(FAKE)
-    with cuda_client.alloc(8192, kind="cuda") as buf:
+    with cuda_client.alloc(8192, kind="cuda", cuda_handle=handle) as buf:
         ptr = buf.__cuda_array_interface__["data"][0]
-        uuid = buf.cuda_ipc().device_uuid
+        uuid = _device_uuid(buf)
         assert drv.pointer_device(ptr) == uuid, "the pointer is in this process's mapping of that device"
         drv.use_device(uuid)
         data = bytes(bbchild.pattern(8192, 5))

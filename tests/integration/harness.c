@@ -71,6 +71,13 @@ int bbt_ms(int ms)
 
 /* ---- the daemon ------------------------------------------------------- */
 
+const char *bbt_cuda_handle(void)
+{
+	const char *h = getenv("BBT_CUDA_HANDLE");
+
+	return h && h[0] ? h : NULL;
+}
+
 /* Waitpid without blocking for up to timeout_ms: the status, or -1. */
 static int reap_within(pid_t pid, int timeout_ms, int *status)
 {
@@ -100,6 +107,13 @@ static pid_t spawn_daemon(bbt_daemon *d)
 	argv[argc++] = d->sock;
 	for (int i = 0; d->args[i]; i++)
 		argv[argc++] = d->args[i];
+	bool handle_given = false;
+	for (int i = 0; d->args[i]; i++)
+		handle_given = handle_given || strcmp(d->args[i], "--cuda-handle") == 0;
+	if (bbt_cuda_handle() && !handle_given) {
+		argv[argc++] = "--cuda-handle";
+		argv[argc++] = bbt_cuda_handle();
+	}
 	argv[argc] = NULL;
 
 	pid_t pid = fork();

@@ -34,6 +34,11 @@ typedef struct bbt_daemon {
 
 /* ---- the daemon ------------------------------------------------------- */
 
+/* $BBT_CUDA_HANDLE ("legacy", "auto" or "vmm"; ctest's *_vmm runs set
+ * vmm), or NULL when unset or empty: bbt_start and bbt_restart pass it to
+ * every daemon as --cuda-handle (unless the test's own arguments have
+ * one), so that one test program checks CUDA buffers of each kind. */
+const char *bbt_cuda_handle(void);
 /* Start $BUFBROKERD with --socket in a new temporary directory plus the
  * NULL-terminated extra arguments (may be NULL), and wait (up to 5 s) until
  * the socket accepts connections. Asserts. The daemon is registered for

@@ -672,6 +672,120 @@ Test(admin, ls_filters_by_uid_name_state_and_kind)
 
 /* ---- top ------------------------------------------------------------------------ */
 
+/* The row of buffer id in an `ls --json` document, into obj. */
+static void ls_row_of(const char *doc, uint64_t id, char *obj, size_t cap)
+{
+	char needle[48];
+	snprintf(needle, sizeof(needle), "{\"id\":%llu,", (unsigned long long)id);
+	cr_assert(json_object_with(doc, needle, obj, cap), "no row of buffer %llu in %s",
+		  (unsigned long long)id, doc);
+}
+
+Test(admin, ls_and_stat_show_each_cuda_buffers_handle_kind)
+{
+	bbt_daemon *d = start_daemon();
+	if (!g_cuda)
+		cr_skip_test("needs the fake CUDA driver (BB_FAKECUDA)");
+	bb_client *c = bbt_connect(d);
+	bb_alloc_opts o = {.size = 64 * KiB, .kind = BB_CUDA};
+	static const struct {
+		bb_cuda_handle ask;
+		const char *shown;
+	} kinds[] = {{BB_CUDA_HANDLE_LEGACY, "legacy"}, {BB_CUDA_HANDLE_VMM, "vmm"}};
+	bb_buf *b[3];
+	char obj[1024], text[64], line[512], id[32];
+
+	for (int i = 0; i < 2; i++)
+		cr_assert_eq(bb_alloc_cuda(c, &o, kinds[i].ask, &b[i]), 0, "%s", bb_last_error());
+	o.kind = BB_HOST;
+	cr_assert_eq(bb_alloc(c, &o, &b[2]), 0, "%s", bb_last_error());
+
+	cli_run *ls = cli(d, "--json", "ls");
+	assert_ran(ls, 0, "ls --json");
+	cli_run *lt = cli(d, "ls");
+	assert_ran(lt, 0, "ls");
+	cr_assert(line_with(lt->out, "HANDLE", line, sizeof(line)), "no HANDLE column: %s",
+		  lt->out);
+	for (int i = 0; i < 3; i++) {
+		const char *want = i < 2 ? kinds[i].shown : "";
+
+		ls_row_of(ls->out, bb_id(b[i]), obj, sizeof(obj));
+		json_text(obj, "cuda_handle", text, sizeof(text));
+		cr_assert_str_eq(text, want, "ls --json row %s", obj);
+
+		snprintf(id, sizeof(id), "%llu", (unsigned long long)bb_id(b[i]));
+		cli_run *st = cli(d, "--json", "stat", id);
+		assert_ran(st, 0, "stat --json");
+		json_text(st->out, "cuda_handle", text, sizeof(text));
+		cr_assert_str_eq(text, want, "stat --json %s", st->out);
+		free(st);
+		st = cli(d, "stat", id);
+		assert_ran(st, 0, "stat");
+		cr_assert(line_with(st->out, "handle ", line, sizeof(line)), "%s", st->out);
+		cr_assert(strstr(line, i < 2 ? want : "-"), "stat's handle line: %s", line);
+		free(st);
+
+		/* The ls row: id first, the handle kind after kind and device. */
+		char lead[48];
+		snprintf(lead, sizeof(lead), "%s  ", id);
+		const char *row = strstr(lt->out, lead);
+		cr_assert_not_null(row, "no ls row for %s: %s", id, lt->out);
+		cr_assert(line_with(row, lead, line, sizeof(line)));
+		cr_assert(strstr(line, i < 2 ? (i ? " vmm " : " legacy ") : " - "),
+			  "ls row of buffer %s: %s", id, line);
+	}
+	free(ls);
+	free(lt);
+	for (int i = 0; i < 3; i++)
+		bb_unref(b[i]);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+Test(admin, status_says_per_device_whether_vmm_buffers_can_be_had_and_why_not)
+{
+	static const char *const no_vmm[] = {"--cuda-forbid", "vmm", "--cuda-handle", "legacy",
+					     NULL};
+	bbt_daemon *d = start_daemon();
+	if (!g_cuda)
+		cr_skip_test("needs the fake CUDA driver (BB_FAKECUDA)");
+	bb_client *c = bbt_connect(d);
+	bb_alloc_opts o = {.size = 4096, .kind = BB_CUDA};
+	char obj[1024], line[512], why[256];
+	bb_buf *b;
+
+	cr_assert_eq(bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_VMM, &b), 0, "%s", bb_last_error());
+	cli_run *r = cli(d, "--json", "status");
+	assert_ran(r, 0, "status --json");
+	cr_assert(json_object_with(r->out, "\"ordinal\":0,", obj, sizeof(obj)), "%s", r->out);
+	cr_assert(strstr(obj, "\"vmm\":true"), "%s", obj);
+	cr_assert_eq(json_num(obj, "vmm_allocations"), 1, "%s", obj);
+	free(r);
+	r = cli(d, "status");
+	assert_ran(r, 0, "status");
+	cr_assert(line_with(r->out, "  vmm ", line, sizeof(line)), "%s", r->out);
+	cr_assert(strstr(line, "yes, 1 allocations held"), "%s", line);
+	free(r);
+	bb_unref(b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+
+	d = bbt_start(no_vmm);
+	r = cli(d, "--json", "status");
+	assert_ran(r, 0, "status --json");
+	cr_assert(json_object_with(r->out, "\"ordinal\":0,", obj, sizeof(obj)), "%s", r->out);
+	cr_assert(strstr(obj, "\"vmm\":false"), "%s", obj);
+	json_text(obj, "vmm_unavailable", why, sizeof(why));
+	cr_assert(strstr(why, "cuda-forbid"), "why not: %s", why);
+	free(r);
+	r = cli(d, "status");
+	assert_ran(r, 0, "status");
+	cr_assert(line_with(r->out, "  vmm ", line, sizeof(line)), "%s", r->out);
+	cr_assert(strstr(line, "no: ") && strstr(line, "cuda-forbid"), "%s", line);
+	free(r);
+	bbt_stop_clean(d);
+}
+
 Test(admin, top_one_frame_shows_the_header_busiest_clients_and_largest_buffers)
 {
 	bbt_daemon *d = start_daemon();

@@ -7,6 +7,13 @@
  * no BB_FAKECUDA the same tests run against the real driver, except the
  * checks that need the fake's test hooks, which are skipped.
  *
+ * ctest runs this program twice: integration.test_cuda with the daemons'
+ * default handle kind (legacy IPC handles) and integration.test_cuda_vmm
+ * with BBT_CUDA_HANDLE=vmm (harness.h), where every buffer bb_alloc makes
+ * is a VMM allocation's: the same tests, with what is kind-specific (the
+ * handle's accessor, the driver calls counted) checked for that kind. The
+ * tests that ask for a kind themselves (bb_alloc_cuda) run in both.
+ *
  * Every CUDA call happens in forked children; the test process itself
  * never loads the driver (a real driver cannot be used in a child forked
  * after the parent initialized it). Children report through exit codes: 0
@@ -17,11 +24,15 @@
 #endif
 #include <criterion/criterion.h>
 #include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "client_internal.h"
@@ -36,6 +47,7 @@
 /* ---- environment ------------------------------------------------------- */
 
 static bool g_fake; /* the driver is libfakecuda.so: its test hooks exist */
+static bool g_vmm;  /* bb_alloc makes VMM buffers (BBT_CUDA_HANDLE=vmm) */
 
 /* After the daemon is gone: remove what the test's fake namespace left in
  * /dev/shm (allocations of killed processes, the devices' accounting). */
@@ -66,6 +78,8 @@ static void cuda_env(const char *fake_memory)
 	char ns[64];
 
 	unsetenv("CUDA_VISIBLE_DEVICES");
+	unsetenv("FAKECUDA_LEGACY_IPC_NAMESPACE");
+	g_vmm = bbt_cuda_handle() && strcmp(bbt_cuda_handle(), "vmm") == 0;
 	if (fake && fake[0]) {
 		g_fake = true;
 		snprintf(ns, sizeof(ns), "bbt%d_%d", (int)getpid(), ++seq);
@@ -211,14 +225,75 @@ static bb_buf *alloc_cuda(bb_client *c, size_t size, int device)
 	return b;
 }
 
-static bb_cuda_ipc ipc_of(bb_buf *b)
+static bb_buf *alloc_handle(bb_client *c, size_t size, bb_cuda_handle h)
 {
-	bb_cuda_ipc ipc;
-	memset(&ipc, 0xee, sizeof(ipc));
-	int rc = bb_cuda_ipc_of(b, &ipc);
-	cr_assert_eq(rc, 0, "bb_cuda_ipc_of(%llu): %d (%s)", (unsigned long long)bb_id(b), rc,
+	bb_alloc_opts o = {.size = size, .kind = BB_CUDA, .share = BB_SHARE_UID};
+	bb_buf *b = NULL;
+	int rc = bb_alloc_cuda(c, &o, h, &b);
+	cr_assert_eq(rc, 0, "bb_alloc_cuda(%zu bytes, handle %d): %d (%s)", size, (int)h, rc,
 		     bb_last_error());
-	return ipc;
+	return b;
+}
+
+/* Where a CUDA buffer lives, whichever its handle kind. */
+typedef struct where {
+	bb_cuda_handle kind;                    /* bb_cuda_handle_of */
+	unsigned char slab[BB_IPC_HANDLE_SIZE]; /* legacy: the IPC handle; VMM: the allocation id */
+	uint64_t allocation_size;               /* VMM: the allocation's bytes */
+	uint64_t offset;                        /* the buffer's start in the allocation */
+	size_t size;                            /* the buffer's bytes */
+	unsigned char uuid[16];                 /* its device */
+} where;
+
+/* b's place through bb_cuda_ipc_of or bb_cuda_vmm_of (whose fd is closed
+ * here): 0 or that call's error. Safe in a child. */
+static int where_get(bb_buf *b, where *w)
+{
+	int rc;
+
+	memset(w, 0, sizeof(*w));
+	w->kind = bb_cuda_handle_of(b);
+	if (w->kind == BB_CUDA_HANDLE_VMM) {
+		bb_cuda_vmm v;
+
+		rc = bb_cuda_vmm_of(b, &v);
+		if (rc)
+			return rc;
+		close(v.fd);
+		memcpy(w->slab, &v.allocation, sizeof(v.allocation));
+		w->allocation_size = v.allocation_size;
+		w->offset = v.offset;
+		w->size = v.size;
+		memcpy(w->uuid, v.device_uuid, 16);
+		return 0;
+	}
+	bb_cuda_ipc ipc;
+	rc = bb_cuda_ipc_of(b, &ipc);
+	if (rc)
+		return rc;
+	memcpy(w->slab, ipc.handle, BB_IPC_HANDLE_SIZE);
+	w->offset = ipc.offset;
+	w->size = ipc.size;
+	memcpy(w->uuid, ipc.device_uuid, 16);
+	return 0;
+}
+
+/* where_get, asserting it works and that b is of the kind this run's
+ * daemons make. */
+static where where_of(bb_buf *b)
+{
+	where w;
+	int rc = where_get(b, &w);
+	cr_assert_eq(rc, 0, "where buffer %llu lives: %d (%s)", (unsigned long long)bb_id(b), rc,
+		     bb_last_error());
+	cr_assert_eq(w.kind, g_vmm ? BB_CUDA_HANDLE_VMM : BB_CUDA_HANDLE_LEGACY,
+		     "buffer %llu has handle kind %d", (unsigned long long)bb_id(b), (int)w.kind);
+	return w;
+}
+
+static bool same_slab(const where *a, const where *b)
+{
+	return memcmp(a->slab, b->slab, sizeof(a->slab)) == 0;
 }
 
 static void unref_gone(bb_client *c, bb_buf *b)
@@ -241,7 +316,9 @@ static const char *uuid_str(const unsigned char u[16], char out[48])
  * same dlopen instance), and the fake's hooks when it is the fake. */
 struct cu {
 	bb_cuda api;
+	CUdevice dev; /* with a UUID given to cu_load: the device that has it */
 	void (*stats)(unsigned long *opens, unsigned long *closes);
+	unsigned long (*vmm_calls)(const char *name);
 	int (*pointer_device)(CUdeviceptr p, unsigned char uuid[16]);
 	int (*open_context_device)(CUdeviceptr p, unsigned char uuid[16]);
 };
@@ -264,6 +341,7 @@ static int cu_load(struct cu *cu, const unsigned char *uuid)
 	}
 	cu->stats =
 		(void (*)(unsigned long *, unsigned long *))dlsym(cu->api.lib, "fakecuda_stats");
+	cu->vmm_calls = (unsigned long (*)(const char *))dlsym(cu->api.lib, "fakecuda_vmm_calls");
 	cu->pointer_device = (int (*)(CUdeviceptr, unsigned char *))dlsym(
 		cu->api.lib, "fakecuda_pointer_device");
 	cu->open_context_device = (int (*)(CUdeviceptr, unsigned char *))dlsym(
@@ -289,17 +367,43 @@ static int cu_load(struct cu *cu, const unsigned char *uuid)
 		if (cu->api.DevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS ||
 		    cu->api.CtxSetCurrent(ctx) != CUDA_SUCCESS)
 			return -1;
+		cu->dev = dev;
 		return 0;
 	}
 	fprintf(stderr, "test child: no device with the buffer's UUID\n");
 	return -1;
 }
 
-static void cu_stats(const struct cu *cu, unsigned long *opens, unsigned long *closes)
+/* The driver calls that open and close an allocation in this process, so
+ * far: legacy cuIpcOpenMemHandle and cuIpcCloseMemHandle (successful ones);
+ * VMM cuMemImportFromShareableHandle and cuMemUnmap calls, with *opens
+ * ~0 unless each import came with one cuMemAddressReserve, cuMemMap and
+ * cuMemSetAccess and each unmap with one cuMemAddressFree. 0, or -1 (with
+ * a line on stderr) where the fake lacks its hooks. */
+static int cu_stats(const struct cu *cu, unsigned long *opens, unsigned long *closes)
 {
 	*opens = *closes = 0;
-	if (cu->stats)
-		cu->stats(opens, closes);
+	if (!g_vmm) {
+		if (cu->stats)
+			cu->stats(opens, closes);
+		return 0;
+	}
+	if (!cu->vmm_calls) {
+		if (g_fake)
+			fprintf(stderr, "test child: libfakecuda lacks fakecuda_vmm_calls\n");
+		return g_fake ? -1 : 0;
+	}
+	*opens = cu->vmm_calls("cuMemImportFromShareableHandle");
+	*closes = cu->vmm_calls("cuMemUnmap");
+	if (cu->vmm_calls("cuMemAddressReserve") != *opens || cu->vmm_calls("cuMemMap") != *opens ||
+	    cu->vmm_calls("cuMemSetAccess") != *opens ||
+	    cu->vmm_calls("cuMemAddressFree") != *closes) {
+		fprintf(stderr,
+			"test child: VMM calls out of step: %lu imports, %lu maps, %lu unmaps\n",
+			*opens, cu->vmm_calls("cuMemMap"), *closes);
+		*opens = ~0ul;
+	}
+	return 0;
 }
 
 static CUdeviceptr dptr(const void *p)
@@ -351,7 +455,8 @@ struct ctx {
 	uint32_t seed;
 	unsigned char uuid[16];
 	const char *visible; /* CUDA_VISIBLE_DEVICES for the child, or NULL: unset */
-	bb_cuda_ipc ipc;
+	where w;             /* where ids[0] lives */
+	int vmm_fd;          /* VMM: its allocation's fd (bb_cuda_vmm_of), inherited */
 	bbt_chan ch;
 };
 
@@ -421,7 +526,10 @@ static int reader_child(void *arg)
 	if (g_fake) {
 		if (cu.pointer_device(dptr(p), u) != 0 || memcmp(u, x->uuid, 16) != 0)
 			return 22;
-		if (cu.open_context_device(dptr(p), u) != 0 || memcmp(u, x->uuid, 16) != 0)
+		/* A legacy handle is opened in a context; a VMM mapping has
+		 * none, its device's access is what cu_check's copy needed. */
+		if (bb_cuda_handle_of(b) == BB_CUDA_HANDLE_LEGACY &&
+		    (cu.open_context_device(dptr(p), u) != 0 || memcmp(u, x->uuid, 16) != 0))
 			return 23;
 	}
 	if (x->ch.fd[1] > 0) {
@@ -465,7 +573,7 @@ Test(cuda, every_device_maps_in_other_processes_and_bytes_cross)
 		const devinfo *di = dev_of(&s, dev);
 		struct ctx x = {.sock = d->sock, .size = MIB + 4096, .seed = 0xc0de00u + dev};
 		bb_buf *b = alloc_cuda(c, x.size, dev);
-		bb_cuda_ipc ipc = ipc_of(b);
+		where w = where_of(b);
 		bb_info info;
 
 		cr_assert_eq(bb_buf_kind(b), BB_CUDA);
@@ -473,9 +581,8 @@ Test(cuda, every_device_maps_in_other_processes_and_bytes_cross)
 		cr_assert_eq(bb_stat(c, bb_id(b), &info), 0, "bb_stat: %s", bb_last_error());
 		cr_assert_eq(info.kind, BB_CUDA);
 		cr_assert_eq(info.device, dev);
-		cr_assert_eq(memcmp(ipc.device_uuid, di->uuid, 16), 0,
-			     "buffer on device %d carries UUID %s", dev,
-			     uuid_str(ipc.device_uuid, us));
+		cr_assert_eq(memcmp(w.uuid, di->uuid, 16), 0, "buffer on device %d carries UUID %s",
+			     dev, uuid_str(w.uuid, us));
 		x.ids[0] = bb_id(b);
 		memcpy(x.uuid, di->uuid, 16);
 
@@ -555,7 +662,8 @@ static int slab_child(void *arg)
 
 	if (cu_load(&cu, x->uuid) != 0)
 		return 2;
-	cu_stats(&cu, &o0, &c0);
+	if (cu_stats(&cu, &o0, &c0) != 0)
+		return 5;
 	if (bb_connect(x->sock, &c) != 0 || bb_connect(x->sock, &c2) != 0)
 		return 3;
 
@@ -637,18 +745,18 @@ Test(cuda, dozens_of_small_buffers_open_their_slab_once)
 	devstat s = dev_status_ok(c), after;
 	struct ctx x = {.sock = d->sock, .n = 48, .seed = 0x51ab};
 	bb_buf *bufs[MAX_IDS];
-	bb_cuda_ipc first;
+	where first;
 
 	memcpy(x.uuid, dev_of(&s, 0)->uuid, 16);
 	for (int i = 0; i < x.n; i++) {
 		bufs[i] = alloc_cuda(c, 1000 + 37 * (size_t)i, 0);
-		bb_cuda_ipc ipc = ipc_of(bufs[i]);
+		where w = where_of(bufs[i]);
 		if (i == 0)
-			first = ipc;
-		cr_assert_eq(memcmp(ipc.handle, first.handle, BB_IPC_HANDLE_SIZE), 0,
-			     "small buffer %d is not in the first buffer's slab", i);
+			first = w;
+		cr_assert(same_slab(&w, &first),
+			  "small buffer %d is not in the first buffer's slab", i);
 		x.ids[i] = bb_id(bufs[i]);
-		x.offsets[i] = ipc.offset;
+		x.offsets[i] = w.offset;
 	}
 	run_child(slab_child, &x, "the slab mapper");
 	for (int i = 0; i < x.n; i++)
@@ -677,7 +785,8 @@ static int taker_child(void *arg)
 
 	if (step)
 		return step;
-	cu_stats(&cu, &o0, &c0);
+	if (cu_stats(&cu, &o0, &c0) != 0)
+		return 9;
 	if (cu_write(&cu, p, x->size, x->seed) != 0 || bb_set_ready(b) != 0)
 		return 10;
 	if (bb_take(b, &t) != 0)
@@ -737,7 +846,7 @@ Test(cuda, freed_slab_space_is_reused)
 	bbt_daemon *d = bbt_start(args);
 	bb_client *c = bbt_connect(d);
 	bb_buf *a = alloc_cuda(c, q, 0);
-	bb_cuda_ipc ia = ipc_of(a);
+	where ia = where_of(a);
 	devstat s = dev_status_ok(c);
 	uint64_t reserved = dev_of(&s, 0)->reserved;
 
@@ -750,26 +859,25 @@ Test(cuda, freed_slab_space_is_reused)
 	s = dev_status_ok(c);
 	cr_assert_eq(dev_of(&s, 0)->used, 0, "used bytes after the free");
 	bb_buf *a2 = alloc_cuda(c, q, 0);
-	bb_cuda_ipc ia2 = ipc_of(a2);
-	cr_assert_eq(memcmp(ia2.handle, ia.handle, BB_IPC_HANDLE_SIZE), 0,
-		     "the freed slab was not reused");
+	where ia2 = where_of(a2);
+	cr_assert(same_slab(&ia2, &ia), "the freed slab was not reused");
 	cr_assert_eq(ia2.offset, ia.offset, "the freed extent was not reused");
 	s = dev_status_ok(c);
 	cr_assert_eq(dev_of(&s, 0)->reserved, reserved, "reserved bytes changed on reuse");
 
 	/* A hole in the middle of a full slab is filled again. */
 	bb_buf *m[3];
-	bb_cuda_ipc im[3];
+	where im[3];
 	for (int i = 0; i < 3; i++) {
 		m[i] = alloc_cuda(c, q, 0);
-		im[i] = ipc_of(m[i]);
-		cr_assert_eq(memcmp(im[i].handle, ia.handle, BB_IPC_HANDLE_SIZE), 0,
-			     "buffer %d of four did not fit in the 2 MiB slab", i + 2);
+		im[i] = where_of(m[i]);
+		cr_assert(same_slab(&im[i], &ia), "buffer %d of four did not fit in the 2 MiB slab",
+			  i + 2);
 	}
 	unref_gone(c, m[1]);
 	bb_buf *h = alloc_cuda(c, q, 0);
-	bb_cuda_ipc ih = ipc_of(h);
-	cr_assert_eq(memcmp(ih.handle, ia.handle, BB_IPC_HANDLE_SIZE), 0, "the hole was not used");
+	where ih = where_of(h);
+	cr_assert(same_slab(&ih, &ia), "the hole was not used");
 	cr_assert_eq(ih.offset, im[1].offset, "the hole was not used");
 	s = dev_status_ok(c);
 	cr_assert_eq(dev_of(&s, 0)->reserved, reserved, "reserved bytes grew to fill a hole");
@@ -845,7 +953,8 @@ static int visible_child(void *arg)
 	if (g_fake) {
 		if (cu.pointer_device(dptr(p), u) != 0 || memcmp(u, x->uuid, 16) != 0)
 			return 53;
-		if (cu.open_context_device(dptr(p), u) != 0 || memcmp(u, x->uuid, 16) != 0)
+		if (bb_cuda_handle_of(b) == BB_CUDA_HANDLE_LEGACY &&
+		    (cu.open_context_device(dptr(p), u) != 0 || memcmp(u, x->uuid, 16) != 0))
 			return 54;
 	}
 	if (cu_write(&cu, p, x->size, x->seed) != 0)
@@ -1037,13 +1146,13 @@ static int holder_child(void *arg)
 		bb_buf *b;
 		void *p;
 		struct cu cu;
-		bb_cuda_ipc ipc;
+		where w;
 
 		if (alloc_kind(c, BB_CUDA, x->size + (size_t)i * 4096, i % x->ndev, &b) != 0)
 			return 81;
-		if (bb_map(b, &p) != 0 || bb_cuda_ipc_of(b, &ipc) != 0)
+		if (bb_map(b, &p) != 0 || where_get(b, &w) != 0)
 			return 82;
-		if (cu_load(&cu, ipc.device_uuid) != 0 || cu_write(&cu, p, 4096, (uint32_t)i) != 0)
+		if (cu_load(&cu, w.uuid) != 0 || cu_write(&cu, p, 4096, (uint32_t)i) != 0)
 			return 83;
 		if (i == 0 && bb_set_ready(b) != 0)
 			return 84;
@@ -1134,30 +1243,56 @@ Test(cuda, a_daemon_without_a_driver_answers_unsupported_and_serves_host_buffers
 	bbt_stop_clean(d);
 }
 
-/* ---- bb_cuda_ipc_of ---------------------------------------------------------- */
+/* ---- bb_cuda_ipc_of and bb_cuda_vmm_of -------------------------------------- */
 
-/* Opens x->ipc's handle itself, as a framework would, and checks the
- * writer's bytes at its offset. */
+/* Opens x->w's allocation itself, as a framework would (legacy: its IPC
+ * handle; VMM: imports x->vmm_fd, reserves, maps and grants access), and
+ * checks the writer's bytes at its offset. */
 static int framework_child(void *arg)
 {
 	struct ctx *x = arg;
-	CUipcMemHandle h;
-	CUdeviceptr base;
 	struct cu cu;
+	CUdeviceptr base;
 
-	if (cu_load(&cu, x->ipc.device_uuid) != 0)
+	if (cu_load(&cu, x->w.uuid) != 0)
 		return 90;
-	memcpy(h.reserved, x->ipc.handle, sizeof(h.reserved));
-	if (cu.api.IpcOpenMemHandle(&base, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) != CUDA_SUCCESS)
-		return 91;
-	if (cu_check(&cu, (void *)(uintptr_t)(base + x->ipc.offset), x->size, x->seed) != 0)
-		return 92;
-	if (cu.api.IpcCloseMemHandle(base) != CUDA_SUCCESS)
-		return 93;
+	if (x->w.kind == BB_CUDA_HANDLE_LEGACY) {
+		CUipcMemHandle h;
+
+		memcpy(h.reserved, x->w.slab, sizeof(h.reserved));
+		if (cu.api.IpcOpenMemHandle(&base, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) !=
+		    CUDA_SUCCESS)
+			return 91;
+		if (cu_check(&cu, (void *)(uintptr_t)(base + x->w.offset), x->size, x->seed) != 0)
+			return 92;
+		if (cu.api.IpcCloseMemHandle(base) != CUDA_SUCCESS)
+			return 93;
+		return 0;
+	}
+	CUmemGenericAllocationHandle h;
+	size_t n = x->w.allocation_size;
+
+	if (!bb_cuda_has_vmm(&cu.api, NULL, 0))
+		return 94;
+	CUmemAccessDesc acc = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = (int)cu.dev},
+			       .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	if (cu.api.MemImportFromShareableHandle(&h, (void *)(uintptr_t)x->vmm_fd,
+						CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) !=
+	    CUDA_SUCCESS)
+		return 95;
+	if (cu.api.MemAddressReserve(&base, n, 0, 0, 0) != CUDA_SUCCESS ||
+	    cu.api.MemMap(base, n, 0, h, 0) != CUDA_SUCCESS ||
+	    cu.api.MemSetAccess(base, n, &acc, 1) != CUDA_SUCCESS)
+		return 96;
+	if (cu_check(&cu, (void *)(uintptr_t)(base + x->w.offset), x->size, x->seed) != 0)
+		return 97;
+	if (cu.api.MemUnmap(base, n) != CUDA_SUCCESS ||
+	    cu.api.MemAddressFree(base, n) != CUDA_SUCCESS || cu.api.MemRelease(h) != CUDA_SUCCESS)
+		return 98;
 	return 0;
 }
 
-Test(cuda, ipc_of_gives_handle_offset_size_and_device)
+Test(cuda, the_handle_gives_allocation_offset_size_and_device)
 {
 	static const char *const args[] = {"--cuda-slab-bytes", "2097152", NULL};
 	static const size_t sizes[] = {1, 255, 256, 257, 4097, 100000};
@@ -1169,54 +1304,83 @@ Test(cuda, ipc_of_gives_handle_offset_size_and_device)
 	bb_client *c = bbt_connect(d);
 	devstat s = dev_status_ok(c);
 	bb_buf *b[N];
-	bb_cuda_ipc ipc[N];
+	where w[N];
 
 	for (int i = 0; i < N; i++) {
 		b[i] = alloc_cuda(c, sizes[i], 0);
-		ipc[i] = ipc_of(b[i]);
-		cr_assert_eq(ipc[i].size, sizes[i], "size of buffer %d", i);
-		cr_assert_eq(ipc[i].offset % 256, 0, "offset %llu of buffer %d",
-			     (unsigned long long)ipc[i].offset, i);
-		cr_assert_eq(memcmp(ipc[i].device_uuid, dev_of(&s, 0)->uuid, 16), 0);
-		cr_assert_neq(memcmp(ipc[i].handle, zero, sizeof(zero)), 0, "an all-zero handle");
-		cr_assert_eq(memcmp(ipc[i].handle, ipc[0].handle, BB_IPC_HANDLE_SIZE), 0,
-			     "buffer %d is not in the slab of buffer 0", i);
+		w[i] = where_of(b[i]);
+		cr_assert_eq(w[i].size, sizes[i], "size of buffer %d", i);
+		cr_assert_eq(w[i].offset % 256, 0, "offset %llu of buffer %d",
+			     (unsigned long long)w[i].offset, i);
+		cr_assert_eq(memcmp(w[i].uuid, dev_of(&s, 0)->uuid, 16), 0);
+		cr_assert_neq(memcmp(w[i].slab, zero, sizeof(zero)), 0, "an all-zero handle");
+		cr_assert(same_slab(&w[i], &w[0]), "buffer %d is not in the slab of buffer 0", i);
+		if (g_vmm)
+			cr_assert(w[i].allocation_size >= 2 * MIB &&
+					  w[i].offset + w[i].size <= w[i].allocation_size,
+				  "buffer %d at %llu+%zu in an allocation of %llu bytes", i,
+				  (unsigned long long)w[i].offset, w[i].size,
+				  (unsigned long long)w[i].allocation_size);
 		for (int j = 0; j < i; j++)
-			cr_assert(ipc[i].offset >= ipc[j].offset + ipc[j].size ||
-					  ipc[j].offset >= ipc[i].offset + ipc[i].size,
+			cr_assert(w[i].offset >= w[j].offset + w[j].size ||
+					  w[j].offset >= w[i].offset + w[i].size,
 				  "buffers %d and %d overlap", i, j);
 	}
 	/* Larger than a slab: an allocation of its own. */
 	bb_buf *big = alloc_cuda(c, 5 * MIB, 0);
-	bb_cuda_ipc ibig = ipc_of(big);
-	cr_assert_eq(ibig.offset, 0);
-	cr_assert_eq(ibig.size, 5 * MIB);
-	cr_assert_neq(memcmp(ibig.handle, ipc[0].handle, BB_IPC_HANDLE_SIZE), 0,
-		      "a buffer larger than a slab shares the slab's handle");
+	where wbig = where_of(big);
+	cr_assert_eq(wbig.offset, 0);
+	cr_assert_eq(wbig.size, 5 * MIB);
+	cr_assert(!same_slab(&wbig, &w[0]), "a buffer larger than a slab shares the slab's handle");
+	if (g_vmm)
+		cr_assert_geq(wbig.allocation_size, 5 * MIB);
 	if (s.n > 1) {
 		bb_buf *o = alloc_cuda(c, 4096, 1);
-		bb_cuda_ipc io = ipc_of(o);
-		cr_assert_eq(memcmp(io.device_uuid, dev_of(&s, 1)->uuid, 16), 0);
-		cr_assert_neq(memcmp(io.handle, ipc[0].handle, BB_IPC_HANDLE_SIZE), 0,
-			      "devices 0 and 1 share a handle");
+		where wo = where_of(o);
+		cr_assert_eq(memcmp(wo.uuid, dev_of(&s, 1)->uuid, 16), 0);
+		cr_assert(!same_slab(&wo, &w[0]), "devices 0 and 1 share a handle");
 		unref_gone(c, o);
 	}
 
-	/* The bytes are a handle any framework can open. */
-	struct ctx x = {.sock = d->sock, .size = sizes[N - 1], .seed = 0xf4a3};
+	/* What the handle gives is what any framework can open itself. */
+	struct ctx x = {.sock = d->sock, .size = sizes[N - 1], .seed = 0xf4a3, .vmm_fd = -1};
 	x.ids[0] = bb_id(b[N - 1]);
 	memcpy(x.uuid, dev_of(&s, 0)->uuid, 16);
-	x.ipc = ipc[N - 1];
+	x.w = w[N - 1];
 	run_child(writer_child, &x, "the writer");
-	run_child(framework_child, &x, "the framework-style reader");
+	if (g_vmm) {
+		bb_cuda_vmm v;
+		cr_assert_eq(bb_cuda_vmm_of(b[N - 1], &v), 0, "bb_cuda_vmm_of: %s",
+			     bb_last_error());
+		cr_assert_geq(v.fd, 0);
+		cr_assert(fcntl(v.fd, F_GETFD) & FD_CLOEXEC,
+			  "bb_cuda_vmm_of's fd is not O_CLOEXEC");
+		x.vmm_fd = v.fd;
+		run_child(framework_child, &x, "the framework-style reader");
+		close(v.fd);
+	} else {
+		run_child(framework_child, &x, "the framework-style reader");
+	}
 
-	/* Not for host buffers. */
+	/* Not for host buffers, and each kind has its own. */
 	bb_buf *hb;
 	bb_cuda_ipc junk;
+	bb_cuda_vmm vjunk;
 	cr_assert_eq(alloc_kind(c, BB_HOST, 4096, 0, &hb), 0);
 	cr_assert_eq(bb_cuda_ipc_of(hb, &junk), BB_ERR_INVALID);
+	cr_assert_eq(bb_cuda_vmm_of(hb, &vjunk), BB_ERR_INVALID);
+	cr_assert_eq(bb_cuda_handle_of(hb), BB_CUDA_HANDLE_DEFAULT);
+	cr_assert_eq(bb_cuda_handle_of(NULL), BB_CUDA_HANDLE_DEFAULT);
 	cr_assert_eq(bb_cuda_ipc_of(NULL, &junk), BB_ERR_INVALID);
 	cr_assert_eq(bb_cuda_ipc_of(b[0], NULL), BB_ERR_INVALID);
+	cr_assert_eq(bb_cuda_vmm_of(NULL, &vjunk), BB_ERR_INVALID);
+	cr_assert_eq(bb_cuda_vmm_of(b[0], NULL), BB_ERR_INVALID);
+	if (g_vmm)
+		cr_assert_eq(bb_cuda_ipc_of(b[0], &junk), BB_ERR_UNSUPPORTED);
+	else
+		cr_assert_eq(bb_cuda_vmm_of(b[0], &vjunk), BB_ERR_UNSUPPORTED);
+	cr_assert(strstr(bb_last_error(), g_vmm ? "bb_cuda_vmm_of" : "bb_cuda_ipc_of"),
+		  "the other accessor's refusal does not name the right one: %s", bb_last_error());
 	unref_gone(c, hb);
 
 	for (int i = 0; i < N; i++)
@@ -1228,12 +1392,12 @@ Test(cuda, ipc_of_gives_handle_offset_size_and_device)
 
 /* ---- a client without the driver ------------------------------------------- */
 
-/* No driver here: bb_map of a CUDA buffer is unsupported, its IPC
- * description still comes, and host buffers map. */
+/* No driver here: bb_map of a CUDA buffer is unsupported, its handle
+ * (IPC handle or allocation fd) still comes, and host buffers map. */
 static int driverless_child(void *arg)
 {
 	struct ctx *x = arg;
-	bb_cuda_ipc ipc;
+	where w;
 	bb_client *c;
 	bb_buf *b, *hb;
 	void *p = (void *)1;
@@ -1249,9 +1413,9 @@ static int driverless_child(void *arg)
 		return 103;
 	if (bb_map(b, &p) != BB_ERR_UNSUPPORTED)
 		return 104; /* and again: the reason is kept */
-	if (bb_cuda_ipc_of(b, &ipc) != 0)
+	if (where_get(b, &w) != 0)
 		return 105;
-	if (memcmp(&ipc, &x->ipc, sizeof(ipc)) != 0)
+	if (memcmp(&w, &x->w, sizeof(w)) != 0)
 		return 106;
 	if (bb_open(c, x->ids[1], &hb) != 0 || bb_map(hb, &p) != 0 || !p)
 		return 107;
@@ -1262,7 +1426,7 @@ static int driverless_child(void *arg)
 	return 0;
 }
 
-Test(cuda, a_client_without_the_driver_cannot_map_but_gets_the_ipc_handle)
+Test(cuda, a_client_without_the_driver_cannot_map_but_gets_the_handle)
 {
 	cuda_env(NULL);
 	bbt_daemon *d = bbt_start(NULL);
@@ -1271,8 +1435,7 @@ Test(cuda, a_client_without_the_driver_cannot_map_but_gets_the_ipc_handle)
 	struct ctx x = {.sock = d->sock};
 	unsigned char *hp;
 
-	memset(&x.ipc, 0, sizeof(x.ipc));
-	cr_assert_eq(bb_cuda_ipc_of(b, &x.ipc), 0, "bb_cuda_ipc_of: %s", bb_last_error());
+	x.w = where_of(b);
 	cr_assert_eq(alloc_kind(c, BB_HOST, 4096, 0, &hb), 0);
 	cr_assert_eq(bb_map(hb, (void **)&hp), 0);
 	memset(hp, 0, 4096);
@@ -1282,6 +1445,430 @@ Test(cuda, a_client_without_the_driver_cannot_map_but_gets_the_ipc_handle)
 	cr_assert_eq(hp[4095], 0x5a, "the driverless client's host write did not land");
 	unref_gone(c, hb);
 	unref_gone(c, b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+/* ---- handle kinds ---------------------------------------------------------------- */
+
+/* Writes then reads every one of x->n buffers (ids) in children. */
+static void bytes_cross(struct ctx *x, const char *what)
+{
+	for (int i = 0; i < x->n; i++) {
+		struct ctx y = *x;
+
+		y.ids[0] = x->ids[i];
+		y.seed = x->seed + (uint32_t)i;
+		y.ch.fd[0] = y.ch.fd[1] = -1;
+		run_child(writer_child, &y, what);
+		run_child(reader_child, &y, what);
+	}
+}
+
+Test(cuda, each_handle_kind_is_what_was_asked_for_and_refuses_the_others_accessor)
+{
+	cuda_env(NULL);
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	devstat s = dev_status_ok(c);
+	bb_alloc_opts o = {.size = 4096, .kind = BB_CUDA};
+	bb_cuda_ipc ipc;
+	bb_cuda_vmm v;
+	bb_buf *b;
+
+	bb_buf *leg = alloc_handle(c, 8192, BB_CUDA_HANDLE_LEGACY);
+	bb_buf *vmm = alloc_handle(c, 8192, BB_CUDA_HANDLE_VMM);
+	bb_buf *aut = alloc_handle(c, 8192, BB_CUDA_HANDLE_AUTO);
+	bb_buf *dfl = alloc_handle(c, 8192, BB_CUDA_HANDLE_DEFAULT);
+	cr_assert_eq(bb_cuda_handle_of(leg), BB_CUDA_HANDLE_LEGACY);
+	cr_assert_eq(bb_cuda_handle_of(vmm), BB_CUDA_HANDLE_VMM);
+	/* Every fake device exports file descriptors. */
+	cr_assert_eq(bb_cuda_handle_of(aut), g_fake ? BB_CUDA_HANDLE_VMM : bb_cuda_handle_of(aut));
+	cr_assert_eq(bb_cuda_handle_of(dfl), g_vmm ? BB_CUDA_HANDLE_VMM : BB_CUDA_HANDLE_LEGACY);
+
+	cr_assert_eq(bb_cuda_vmm_of(leg, &v), BB_ERR_UNSUPPORTED);
+	cr_assert(strstr(bb_last_error(), "bb_cuda_ipc_of"), "%s", bb_last_error());
+	cr_assert_eq(bb_cuda_ipc_of(vmm, &ipc), BB_ERR_UNSUPPORTED);
+	cr_assert(strstr(bb_last_error(), "bb_cuda_vmm_of"), "%s", bb_last_error());
+	cr_assert_eq(bb_cuda_ipc_of(leg, &ipc), 0, "%s", bb_last_error());
+	cr_assert_eq(bb_cuda_vmm_of(vmm, &v), 0, "%s", bb_last_error());
+	close(v.fd);
+
+	/* Out of range, or a kind for a host buffer: invalid, not sent. */
+	cr_assert_eq(bb_alloc_cuda(c, &o, (bb_cuda_handle)7, &b), BB_ERR_INVALID);
+	cr_assert_null(b);
+	o.kind = BB_HOST;
+	cr_assert_eq(bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_VMM, &b), BB_ERR_INVALID);
+	cr_assert_eq(bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_LEGACY, &b), BB_ERR_INVALID);
+	cr_assert_eq(bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_DEFAULT, &b), 0, "%s", bb_last_error());
+	cr_assert_eq(bb_cuda_handle_of(b), BB_CUDA_HANDLE_DEFAULT);
+	unref_gone(c, b);
+
+	/* Both kinds map in other processes and carry bytes, side by side. */
+	struct ctx x = {.sock = d->sock, .n = 2, .size = 8192, .seed = 0x6b1d};
+	x.ids[0] = bb_id(leg);
+	x.ids[1] = bb_id(vmm);
+	memcpy(x.uuid, dev_of(&s, 0)->uuid, 16);
+	bytes_cross(&x, "a child mapping a legacy and a VMM buffer");
+
+	unref_gone(c, leg);
+	unref_gone(c, vmm);
+	unref_gone(c, aut);
+	unref_gone(c, dfl);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+Test(cuda, a_forbidden_kind_is_refused_with_the_reason_never_replaced)
+{
+	static const char *const no_vmm[] = {"--cuda-forbid", "vmm", "--cuda-handle", "legacy",
+					     NULL};
+	static const char *const no_legacy[] = {"--cuda-forbid", "legacy", "--cuda-handle", "vmm",
+						NULL};
+	bb_alloc_opts o = {.size = 4096, .kind = BB_CUDA};
+	bb_buf *b;
+	int rc;
+
+	cuda_env(NULL);
+	bbt_daemon *d = bbt_start(no_vmm);
+	bb_client *c = bbt_connect(d);
+	rc = bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_VMM, &b);
+	cr_assert_eq(rc, BB_ERR_UNSUPPORTED, "VMM where forbidden: %d (%s)", rc, bb_last_error());
+	cr_assert_null(b);
+	cr_assert(strstr(bb_last_error(), "cuda-forbid"), "the reason: %s", bb_last_error());
+	b = alloc_handle(c, 4096, BB_CUDA_HANDLE_AUTO);
+	cr_assert_eq(bb_cuda_handle_of(b), BB_CUDA_HANDLE_LEGACY, "AUTO where VMM is forbidden");
+	unref_gone(c, b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+
+	cuda_env(NULL);
+	d = bbt_start(no_legacy);
+	c = bbt_connect(d);
+	rc = bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_LEGACY, &b);
+	cr_assert_eq(rc, BB_ERR_UNSUPPORTED, "legacy where forbidden: %d (%s)", rc,
+		     bb_last_error());
+	cr_assert(strstr(bb_last_error(), "cuda-forbid"), "the reason: %s", bb_last_error());
+	b = alloc_handle(c, 4096, BB_CUDA_HANDLE_DEFAULT);
+	cr_assert_eq(bb_cuda_handle_of(b), BB_CUDA_HANDLE_VMM);
+	unref_gone(c, b);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+/* ---- a VMM allocation's fd on one connection ------------------------------------ */
+
+/* ids[0] and ids[1] are VMM buffers of one allocation, ids[1] written with
+ * seed. The connection lets its only handle in the allocation go while
+ * keeping a raw count on it, so the daemon grants ids[1] without the fd
+ * (it held a count there) although the connection closed the fd: bb_map
+ * and bb_cuda_vmm_of must get it again. */
+static int refetch_child(void *arg)
+{
+	struct ctx *x = arg;
+	struct cu cu;
+	bb_client *c;
+	bb_buf *first, *second;
+	bb_cuda_vmm v;
+	void *p;
+
+	if (bb_connect(x->sock, &c) != 0 || bb_open(c, x->ids[0], &first) != 0)
+		return 110;
+	if (bb_retain(c, x->ids[0], 1) != 0)
+		return 111;
+	bb_unref(first);
+	if (bb_open(c, x->ids[1], &second) != 0)
+		return 112;
+	if (bb_map(second, &p) != 0) {
+		fprintf(stderr, "test child: bb_map: %s\n", bb_last_error());
+		return 113;
+	}
+	if (cu_load(&cu, x->uuid) != 0 || cu_check(&cu, p, x->size, x->seed) != 0)
+		return 114;
+	if (bb_cuda_vmm_of(second, &v) != 0) {
+		fprintf(stderr, "test child: bb_cuda_vmm_of: %s\n", bb_last_error());
+		return 115;
+	}
+	close(v.fd);
+	bb_unref(second);
+	if (bb_release(c, x->ids[0], 1) != 0)
+		return 116;
+	bb_disconnect(c);
+	return 0;
+}
+
+/* Two VMM buffers of one allocation, ids[0] and ids[1] (written with
+ * seed) for child to use; then nothing of them is left behind. */
+static void two_in_one_allocation(int (*child)(void *), uint32_t seed, const char *what)
+{
+	cuda_env(NULL);
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	devstat s = dev_status_ok(c);
+	struct ctx x = {.sock = d->sock, .size = 65536, .seed = seed};
+	where w0, w1;
+
+	memcpy(x.uuid, dev_of(&s, 0)->uuid, 16);
+	bb_buf *b0 = alloc_handle(c, 4096, BB_CUDA_HANDLE_VMM);
+	bb_buf *b1 = alloc_handle(c, x.size, BB_CUDA_HANDLE_VMM);
+	cr_assert_eq(where_get(b0, &w0), 0);
+	cr_assert_eq(where_get(b1, &w1), 0);
+	cr_assert(same_slab(&w0, &w1), "two small VMM buffers in different allocations");
+	x.ids[0] = bb_id(b1);
+	run_child(writer_child, &x, "the writer");
+	x.ids[0] = bb_id(b0);
+	x.ids[1] = bb_id(b1);
+	run_child(child, &x, what);
+	cr_assert_eq(bbt_refs_until(c, x.ids[1], 1, 2000), 1, "%s left counts", what);
+	unref_gone(c, b0);
+	unref_gone(c, b1);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
+Test(cuda, a_vmm_grant_that_came_without_the_fd_it_needs_maps_through_allocation_fd)
+{
+	two_in_one_allocation(refetch_child, 0xfd0, "the client that let the fd go");
+}
+
+/* One thread drops the connection's last handle of an allocation while
+ * another adopts a token of another buffer in it, round after round:
+ * whichever the daemon sees first, the adopted buffer maps and reads. */
+struct race {
+	bb_client *c;
+	bb_buf *drop;    /* the handle to let go */
+	bb_token token;  /* the buffer to adopt */
+	bb_buf *adopted; /* what bb_adopt gave */
+	int rc;          /* bb_adopt's answer */
+	pthread_barrier_t *go;
+};
+
+static void *race_drop(void *arg)
+{
+	struct race *r = arg;
+
+	pthread_barrier_wait(r->go);
+	bb_unref(r->drop);
+	return NULL;
+}
+
+static void *race_adopt(void *arg)
+{
+	struct race *r = arg;
+
+	pthread_barrier_wait(r->go);
+	r->rc = bb_adopt(r->c, &r->token, &r->adopted);
+	return NULL;
+}
+
+static int race_child(void *arg)
+{
+	struct ctx *x = arg;
+	pthread_barrier_t go;
+	struct cu cu;
+	bb_client *c, *keeper;
+	bb_buf *kept;
+	void *p;
+
+	if (pthread_barrier_init(&go, NULL, 2) != 0)
+		return 120;
+	if (bb_connect(x->sock, &c) != 0 || bb_connect(x->sock, &keeper) != 0)
+		return 121;
+	if (bb_open(keeper, x->ids[1], &kept) != 0 || cu_load(&cu, x->uuid) != 0)
+		return 122;
+	for (int round = 0; round < 40; round++) {
+		struct race r = {.c = c, .go = &go};
+		pthread_t t1, t2;
+
+		if (bb_open(c, x->ids[0], &r.drop) != 0 || bb_take(bb_ref(kept), &r.token) != 0)
+			return 123;
+		if (pthread_create(&t1, NULL, race_drop, &r) != 0 ||
+		    pthread_create(&t2, NULL, race_adopt, &r) != 0)
+			return 124;
+		pthread_join(t1, NULL);
+		pthread_join(t2, NULL);
+		if (r.rc != 0)
+			return 125;
+		if (bb_map(r.adopted, &p) != 0) {
+			fprintf(stderr, "test child: round %d: bb_map: %s\n", round,
+				bb_last_error());
+			return 126;
+		}
+		if (cu_check(&cu, p, x->size, x->seed) != 0)
+			return 127;
+		/* The last handle of the allocation goes: unmapped, fd closed. */
+		bb_unref(r.adopted);
+	}
+	bb_unref(kept);
+	bb_disconnect(keeper);
+	bb_disconnect(c);
+	pthread_barrier_destroy(&go);
+	return 0;
+}
+
+Test(cuda, dropping_an_allocations_last_handle_while_adopting_another_buffer_of_it_loses_no_fd)
+{
+	two_in_one_allocation(race_child, 0x4ace, "the racing client");
+}
+
+/* ---- a restarted daemon's allocations are not the old one's ------------------- */
+
+/* Maps a VMM buffer of the daemon, holds it across the daemon's restart
+ * (told through x->ch), then maps a buffer of the new daemon run whose
+ * allocation has the same id: it must be imported afresh, not taken for
+ * the old run's mapping that this process still holds. */
+static int restart_child(void *arg)
+{
+	struct ctx *x = arg;
+	bb_alloc_opts o = {.size = 4096, .kind = BB_CUDA};
+	unsigned long i0;
+	bb_client *c, *c2;
+	bb_buf *old, *cur;
+	bb_cuda_vmm v1, v2;
+	struct cu cu;
+	void *p1, *p2;
+	char go;
+
+	if (bb_connect(x->sock, &c) != 0 || bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_VMM, &old) != 0)
+		return 140;
+	if (bb_map(old, &p1) != 0 || bb_cuda_vmm_of(old, &v1) != 0)
+		return 141;
+	close(v1.fd);
+	if (cu_load(&cu, v1.device_uuid) != 0 || (g_fake && !cu.vmm_calls))
+		return 142;
+	i0 = g_fake ? cu.vmm_calls("cuMemImportFromShareableHandle") : 0;
+	if (bbt_send(x->ch.fd[1], "m", 1) != 0 || bbt_recv(x->ch.fd[1], &go, 1, CHILD_TIMEOUT_MS))
+		return 143;
+	/* The daemon was restarted on the same socket path. */
+	if (bb_connect(x->sock, &c2) != 0 || bb_alloc_cuda(c2, &o, BB_CUDA_HANDLE_VMM, &cur) != 0)
+		return 144;
+	if (bb_cuda_vmm_of(cur, &v2) != 0)
+		return 145;
+	close(v2.fd);
+	if (v2.allocation != v1.allocation || v2.offset != v1.offset)
+		return 146; /* the test needs the same identity in the new run */
+	if (bb_map(cur, &p2) != 0)
+		return 147;
+	if (p2 == p1)
+		return 148; /* the old run's mapping */
+	if (g_fake && cu.vmm_calls("cuMemImportFromShareableHandle") - i0 != 1)
+		return 149;
+	if (cu_write(&cu, p2, 4096, x->seed) != 0 || cu_check(&cu, p2, 4096, x->seed) != 0)
+		return 150;
+	bb_unref(cur);
+	bb_unref(old);
+	bb_disconnect(c2);
+	bb_disconnect(c);
+	return 0;
+}
+
+Test(cuda, a_restarted_daemons_allocation_is_never_taken_for_the_old_runs_mapping)
+{
+	cuda_env(NULL);
+	bbt_daemon *d = bbt_start(NULL);
+	struct ctx x = {.sock = d->sock, .seed = 0x4e57};
+	char m;
+
+	bbt_chan_open(&x.ch);
+	pid_t pid = bbt_spawn(restart_child, &x);
+	if (bbt_recv(x.ch.fd[0], &m, 1, CHILD_TIMEOUT_MS) != 0)
+		cr_assert_fail("the client failed at step %d", bbt_join(pid, CHILD_TIMEOUT_MS));
+	bbt_kill(d);
+	bbt_restart(d);
+	bbt_send(x.ch.fd[0], "g", 1);
+	int code = bbt_join(pid, CHILD_TIMEOUT_MS);
+	cr_assert_eq(code, 0, "the client across the restart failed at step %d", code);
+	bbt_chan_close(&x.ch);
+	bbt_stop_clean(d);
+}
+
+/* ---- containers: a consumer in a PID namespace of its own -------------------------- */
+
+/* In a new PID namespace (as `unshare --pid --fork` makes), with nothing
+ * of its parent but the socket's path: opens and maps the VMM buffer
+ * ids[0] and checks its bytes, and the legacy buffer ids[1], whose IPC
+ * handle cannot be opened there (FAKECUDA_LEGACY_IPC_NAMESPACE=strict),
+ * fails to map with a reason. */
+static int ns_consumer(const struct ctx *x)
+{
+	struct cu cu;
+	bb_client *c;
+	bb_buf *v, *l;
+	void *p = NULL;
+	int rc;
+
+	if (getpid() != 1)
+		return 131; /* not in a namespace of its own */
+	if (bb_connect(x->sock, &c) != 0 || bb_open(c, x->ids[0], &v) != 0 ||
+	    bb_open(c, x->ids[1], &l) != 0)
+		return 132;
+	if (bb_map(v, &p) != 0) {
+		fprintf(stderr, "test child: bb_map of the VMM buffer: %s\n", bb_last_error());
+		return 133;
+	}
+	if (cu_load(&cu, x->uuid) != 0 || cu_check(&cu, p, x->size, x->seed) != 0)
+		return 134;
+	rc = bb_map(l, &p);
+	if (rc == 0)
+		return 135;
+	if (!strstr(bb_last_error(), "namespace") || !strstr(bb_last_error(), "VMM")) {
+		fprintf(stderr, "test child: the legacy failure does not say why: %s\n",
+			bb_last_error());
+		return 136;
+	}
+	bb_unref(v);
+	bb_unref(l);
+	bb_disconnect(c);
+	return 0;
+}
+
+static int ns_child(void *arg)
+{
+	struct ctx *x = arg;
+	int status;
+
+	if (unshare(CLONE_NEWPID) != 0) {
+		fprintf(stderr, "test child: unshare(CLONE_NEWPID): %s\n", strerror(errno));
+		return errno == EPERM || errno == EINVAL || errno == ENOSPC ? 77 : 130;
+	}
+	pid_t pid = fork();
+	if (pid < 0)
+		return 130;
+	if (pid == 0) {
+		/* Only the socket's path leads to the daemon: no inherited fd. */
+		close_range(3, ~0u, 0);
+		_exit(ns_consumer(x));
+	}
+	if (waitpid(pid, &status, 0) != pid)
+		return 130;
+	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+Test(cuda, a_consumer_in_its_own_pid_namespace_maps_vmm_buffers_and_is_told_why_legacy_fail)
+{
+	cuda_env(NULL);
+	NEED_FAKE(); /* FAKECUDA_LEGACY_IPC_NAMESPACE; gpu-check runs it on a GPU */
+	bbt_daemon *d = bbt_start(NULL);
+	bb_client *c = bbt_connect(d);
+	devstat s = dev_status_ok(c);
+	struct ctx x = {.sock = d->sock, .n = 2, .size = 65536, .seed = 0x9a5e};
+
+	bb_buf *v = alloc_handle(c, x.size, BB_CUDA_HANDLE_VMM);
+	bb_buf *l = alloc_handle(c, x.size, BB_CUDA_HANDLE_LEGACY);
+	x.ids[0] = bb_id(v);
+	x.ids[1] = bb_id(l);
+	memcpy(x.uuid, dev_of(&s, 0)->uuid, 16);
+	run_child(writer_child, &x, "the writer");
+
+	setenv("FAKECUDA_LEGACY_IPC_NAMESPACE", "strict", 1);
+	int code = bbt_join(bbt_spawn(ns_child, &x), CHILD_TIMEOUT_MS);
+	unsetenv("FAKECUDA_LEGACY_IPC_NAMESPACE");
+	/* A skip fails the program under CI (tests/criterion_main.c). */
+	if (code == 77)
+		cr_skip_test("unshare(CLONE_NEWPID) is not permitted here (needs root)");
+	cr_assert_eq(code, 0, "the consumer in its own PID namespace failed at step %d", code);
+	unref_gone(c, v);
+	unref_gone(c, l);
 	bb_disconnect(c);
 	bbt_stop_clean(d);
 }

@@ -927,9 +927,36 @@ Test(security, guessed_tokens_adopt_nothing_and_spoil_no_real_one)
 
 struct slab_ctx {
 	const char *sock;
+	bb_cuda_handle handle; /* the kind of every buffer */
 	uint64_t id;
 	bbt_chan ch;
 };
+
+static bb_buf *alloc_cuda_kind(bb_client *c, bb_cuda_handle handle, int share)
+{
+	bb_alloc_opts o = {.size = MIB, .kind = BB_CUDA, .share = share};
+	bb_buf *b = NULL;
+	int rc = bb_alloc_cuda(c, &o, handle, &b);
+	cr_assert_eq(rc, 0, "bb_alloc_cuda(handle %d): %d (%s)", (int)handle, rc, bb_last_error());
+	return b;
+}
+
+/* The allocation holding b: its IPC handle (legacy) or its allocation id
+ * (VMM, whose fd is closed again). Asserts. */
+static void slab_of(bb_buf *b, unsigned char out[BB_IPC_HANDLE_SIZE])
+{
+	memset(out, 0, BB_IPC_HANDLE_SIZE);
+	if (bb_cuda_handle_of(b) == BB_CUDA_HANDLE_VMM) {
+		bb_cuda_vmm v;
+		cr_assert_eq(bb_cuda_vmm_of(b, &v), 0, "%s", bb_last_error());
+		close(v.fd);
+		memcpy(out, &v.allocation, sizeof(v.allocation));
+		return;
+	}
+	bb_cuda_ipc ipc;
+	cr_assert_eq(bb_cuda_ipc_of(b, &ipc), 0, "%s", bb_last_error());
+	memcpy(out, ipc.handle, BB_IPC_HANDLE_SIZE);
+}
 
 /* Uid A allocates a 1 MiB CUDA buffer anyone may open and holds it. */
 static int cuda_owner_child(void *arg)
@@ -944,7 +971,7 @@ static int cuda_owner_child(void *arg)
 	if (bb_connect(x->sock, &c) != 0)
 		return 10;
 	bb_alloc_opts o = {.size = MIB, .kind = BB_CUDA, .share = BB_SHARE_ANY};
-	if (bb_alloc(c, &o, &b) != 0)
+	if (bb_alloc_cuda(c, &o, x->handle, &b) != 0)
 		return 11;
 	x->id = bb_id(b);
 	if (bbt_send(x->ch.fd[1], &x->id, sizeof(x->id)) != 0)
@@ -956,14 +983,17 @@ static int cuda_owner_child(void *arg)
 	return 0;
 }
 
-Test(security, cuda_buffers_of_other_uids_or_policies_never_share_an_allocation)
+/* Buffers of handle kind `handle` of two uids, or of two share policies,
+ * never lie in one allocation: whoever maps one (or, VMM, holds the fd)
+ * reaches every byte of it. */
+static void slabs_are_per_uid_and_policy(bb_cuda_handle handle)
 {
 	NEED_ROOT();
 	fake_cuda_env();
 	static const char *const args[] = {"--cuda-slab-bytes", "4M", NULL};
 	bbt_daemon *d = start_open(args);
 	bb_client *c = bbt_connect(d);
-	struct slab_ctx x = {.sock = d->sock};
+	struct slab_ctx x = {.sock = d->sock, .handle = handle};
 
 	bbt_chan_open(&x.ch);
 	pid_t owner = bbt_spawn(cuda_owner_child, &x);
@@ -972,23 +1002,24 @@ Test(security, cuda_buffers_of_other_uids_or_policies_never_share_an_allocation)
 
 	/* Root: one buffer of the same policy and one of another. All three
 	 * fit in one slab; none may share one. */
-	bb_buf *same = alloc_kind(c, BB_CUDA, MIB, NULL, BB_SHARE_ANY);
-	bb_buf *other = alloc_kind(c, BB_CUDA, MIB, NULL, BB_SHARE_UID);
+	bb_buf *same = alloc_cuda_kind(c, handle, BB_SHARE_ANY);
+	bb_buf *other = alloc_cuda_kind(c, handle, BB_SHARE_UID);
 	bb_buf *theirs = NULL;
 	cr_assert_eq(bb_open(c, x.id, &theirs), 0, "%s", bb_last_error());
-	bb_cuda_ipc a, b, t;
-	cr_assert_eq(bb_cuda_ipc_of(same, &a), 0);
-	cr_assert_eq(bb_cuda_ipc_of(other, &b), 0);
-	cr_assert_eq(bb_cuda_ipc_of(theirs, &t), 0);
-	cr_assert_neq(memcmp(a.handle, t.handle, sizeof(a.handle)), 0,
+	cr_assert_eq(bb_cuda_handle_of(theirs), handle);
+	unsigned char a[BB_IPC_HANDLE_SIZE], b[BB_IPC_HANDLE_SIZE], t[BB_IPC_HANDLE_SIZE];
+	slab_of(same, a);
+	slab_of(other, b);
+	slab_of(theirs, t);
+	cr_assert_neq(memcmp(a, t, sizeof(a)), 0,
 		      "uid 0's buffer lies in the allocation of uid %d's", UID_A);
-	cr_assert_neq(memcmp(a.handle, b.handle, sizeof(a.handle)), 0,
+	cr_assert_neq(memcmp(a, b, sizeof(a)), 0,
 		      "buffers of two share policies lie in one allocation");
 	/* A second buffer of root's ANY policy does share: the test can tell. */
-	bb_buf *same2 = alloc_kind(c, BB_CUDA, MIB, NULL, BB_SHARE_ANY);
-	bb_cuda_ipc a2;
-	cr_assert_eq(bb_cuda_ipc_of(same2, &a2), 0);
-	cr_assert_eq(memcmp(a.handle, a2.handle, sizeof(a.handle)), 0,
+	bb_buf *same2 = alloc_cuda_kind(c, handle, BB_SHARE_ANY);
+	unsigned char a2[BB_IPC_HANDLE_SIZE];
+	slab_of(same2, a2);
+	cr_assert_eq(memcmp(a, a2, sizeof(a)), 0,
 		     "two buffers of one uid and policy did not share a slab");
 
 	bb_unref(theirs);
@@ -1002,6 +1033,16 @@ Test(security, cuda_buffers_of_other_uids_or_policies_never_share_an_allocation)
 	assert_accounting_zero(c, 1);
 	bb_disconnect(c);
 	bbt_stop_clean(d);
+}
+
+Test(security, cuda_buffers_of_other_uids_or_policies_never_share_an_allocation)
+{
+	slabs_are_per_uid_and_policy(BB_CUDA_HANDLE_LEGACY);
+}
+
+Test(security, vmm_cuda_buffers_of_other_uids_or_policies_never_share_an_allocation)
+{
+	slabs_are_per_uid_and_policy(BB_CUDA_HANDLE_VMM);
 }
 
 /* ---- allow-lists ------------------------------------------------------------- */

@@ -218,24 +218,49 @@ static void count_op(const struct worker *w)
 	atomic_fetch_add(&w->x->bd->ops, 1);
 }
 
-static int cu_ctx_of(const bb_cuda_ipc *ipc)
+static int cu_ctx_of(const unsigned char uuid[16])
 {
 	for (int i = 0; i < g_cu.n; i++)
-		if (!memcmp(g_cu.uuid[i], ipc->device_uuid, 16))
+		if (!memcmp(g_cu.uuid[i], uuid, 16))
 			return g_cu.api.CtxSetCurrent(g_cu.ctx[i]) == CUDA_SUCCESS ? 0 : -1;
 	return -1;
+}
+
+/* The device and size of CUDA buffer b from its handle, which must be of
+ * the kind the daemon makes in this run (BBT_CUDA_HANDLE): 0 or -1. */
+static int cuda_where(bb_buf *b, unsigned char uuid[16], size_t *size)
+{
+	const char *h = bbt_cuda_handle();
+	bool vmm = h && strcmp(h, "vmm") == 0;
+	bb_cuda_ipc ipc;
+	bb_cuda_vmm v;
+
+	if (bb_cuda_handle_of(b) != (vmm ? BB_CUDA_HANDLE_VMM : BB_CUDA_HANDLE_LEGACY))
+		return -1;
+	if (!vmm) {
+		if (bb_cuda_ipc_of(b, &ipc) != 0)
+			return -1;
+		memcpy(uuid, ipc.device_uuid, 16);
+		*size = ipc.size;
+		return 0;
+	}
+	if (bb_cuda_vmm_of(b, &v) != 0)
+		return -1;
+	close(v.fd);
+	memcpy(uuid, v.device_uuid, 16);
+	*size = v.size;
+	return 0;
 }
 
 /* Fill (fill) or check a CUDA buffer through its mapping: 0, or -1 with a
  * mismatch or a driver error. */
 static int cuda_bytes(struct held *e, void *p, bool fill)
 {
-	bb_cuda_ipc ipc;
-	unsigned char want = cuda_byte(e->id), got[4096];
-	size_t n = e->size < sizeof(got) ? e->size : sizeof(got);
+	unsigned char want = cuda_byte(e->id), got[4096], uuid[16];
+	size_t n = e->size < sizeof(got) ? e->size : sizeof(got), size;
 	CUdeviceptr d = (CUdeviceptr)(uintptr_t)p;
 
-	if (bb_cuda_ipc_of(e->b, &ipc) != 0 || ipc.size != e->size || cu_ctx_of(&ipc) != 0)
+	if (cuda_where(e->b, uuid, &size) != 0 || size != e->size || cu_ctx_of(uuid) != 0)
 		return -1;
 	if (fill)
 		return g_cu.api.MemsetD8(d, want, e->size) == CUDA_SUCCESS ? 0 : -1;
