@@ -892,13 +892,201 @@ class Buffer:
             _check(_n.lib().bb_cuda_ipc_of(h, ctypes.byref(raw)))
         return CudaIpc(bytes(raw.handle), raw.offset, raw.size, bytes(raw.device_uuid))
 
-    def cuda_handle(self) -> Optional[str]:
-        """How a CUDA buffer is shared: ``"legacy"`` (a CUDA IPC handle,
-        :meth:`cuda_ipc`) or ``"vmm"`` (a file descriptor,
-        :meth:`cuda_vmm`); None for a host buffer."""
+    def cuda_vmm(self) -> "CudaVmm":
+        """The VMM description of a VMM CUDA buffer (``bb_cuda_vmm_of``), for
+        a framework that imports the allocation itself: a :data:`CudaVmm`
+        ``(fd, allocation, allocation_size, offset, size, device_uuid)``.
+        ``fd`` is a new file descriptor that the caller closes
+        (``os.close``); importing it, mapping ``allocation_size`` bytes and
+        adding ``offset`` gives the buffer. Raises :class:`Unsupported` for a
+        legacy buffer (use :meth:`cuda_ipc`)."""
+        raw = _n.bb_cuda_vmm()
         with self._use() as (h, _):
-            kind = int(_n.lib().bb_cuda_handle_of(h))
-        return {_n.CUDA_HANDLE_LEGACY: "legacy", _n.CUDA_HANDLE_VMM: "vmm"}.get(kind)
+            _check(_n.lib().bb_cuda_vmm_of(h, ctypes.byref(raw)))
+        return CudaVmm(
+            raw.fd, raw.allocation, raw.allocation_size, raw.offset, raw.size, bytes(raw.device_uuid)
+        )
+
+# ---- tensors ---------------------------------------------------------------------
+
+
+def _no_numpy(what: str) -> str:
+    return (
+        f"{what} is CUDA memory, which numpy cannot hold: use a CUDA library, "
+        "e.g. cupy.from_dlpack(buf.as_tensor(dtype, shape)) or torch.from_dlpack(...)"
+    )
+
+
+def _to_numpy(obj: object, dtype: Any, copy: Optional[bool]) -> Any:
+    np: Any = importlib.import_module("numpy")
+    a = np.asarray(obj)  # through __array_interface__: no copy
+    if dtype is not None:
+        a = a.astype(dtype, copy=False)
+    return a.copy() if copy else a
+
+
+class Tensor:
+    """A typed view of a buffer's memory (``Buffer.as_tensor``): ``shape``
+    elements of ``dtype``, C-contiguous, from byte ``offset``. No copy.
+
+    It exports the memory as DLPack (``__dlpack__``, ``__dlpack_device__``),
+    and as numpy's ``__array_interface__`` (host) or the CUDA array
+    interface (CUDA). It holds a local count of the buffer of its own, so
+    the memory stays mapped while the Tensor lives, even if its Buffer is
+    closed; numpy keeps the Tensor as its arrays' base, and every DLPack
+    tensor holds a count of its own until its consumer calls its deleter.
+    """
+
+    dtype: str  #: the element type's name, e.g. ``"float32"``
+    shape: Tuple[int, ...]  #: elements per dimension
+    offset: int  #: bytes from the buffer's start
+    nbytes: int  #: bytes the tensor covers
+    itemsize: int  #: bytes per element
+    kind: str  #: ``"host"`` or ``"cuda"``
+    buffer_id: int  #: the buffer's id
+    _dtype: _dlpack.DType
+    _ptr: int  # the first element's address in this process
+    _device: Tuple[int, int]  # __dlpack_device__
+    _conn: _Connection
+    _handle: int  # our bb_buf *, one local count the finalizer gives back
+    _finalizer: weakref.finalize
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("Tensors are made by Buffer.as_tensor(dtype, shape)")
+
+    @classmethod
+    def _new(
+        cls, buf: Buffer, dtype: DTypeLike, shape: Union[None, int, Sequence[int]], offset: int
+    ) -> "Tensor":
+        try:
+            dt = _dlpack.dtype_of(dtype)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
+        offset = _uint("offset", offset, buf.size)
+        if offset % dt.itemsize:
+            raise _invalid(f"offset {offset} is not a multiple of {dt.name}'s {dt.itemsize} bytes")
+        if shape is None:
+            n, rest = divmod(buf.size - offset, dt.itemsize)
+            if rest:
+                raise _invalid(
+                    f"{buf.size - offset} bytes from offset {offset} are not a whole number of "
+                    f"{dt.name} elements: give the shape"
+                )
+            dims: Tuple[int, ...] = (n,)
+        else:
+            seq = (shape,) if hasattr(shape, "__index__") else tuple(shape)
+            dims = tuple(_uint("a dimension", d, 2**63 - 1) for d in seq)
+        nbytes = math.prod(dims) * dt.itemsize
+        if offset + nbytes > buf.size:
+            raise _invalid(
+                f"{'x'.join(map(str, dims)) or 'a scalar'} of {dt.name} from offset {offset} is "
+                f"{nbytes} bytes: more than the {buf.size - offset} the buffer has there"
+            )
+        device = buf.__dlpack_device__()
+        addr, conn, h = buf._export()
+        self = object.__new__(cls)
+        self._finalizer = weakref.finalize(self, _export_gone, conn, h)
+        self._finalizer.atexit = False
+        self._conn, self._handle = conn, h
+        self._dtype, self._ptr, self._device = dt, addr + offset, device
+        self.dtype, self.shape, self.offset = dt.name, dims, offset
+        self.nbytes, self.itemsize = nbytes, dt.itemsize
+        self.kind, self.buffer_id = buf.kind, buf.id
+        return self
+
+    def __repr__(self) -> str:
+        shape = "x".join(map(str, self.shape)) or "()"
+        return f"<bufbroker.Tensor {self.dtype}[{shape}] of buffer {self.buffer_id} at offset {self.offset}>"
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a bufbroker Tensor cannot be pickled; pass its buffer's token")
+
+    @property
+    def data_ptr(self) -> int:
+        """The first element's address in this process (a device pointer
+        for CUDA memory)."""
+        return self._ptr
+
+    @property
+    def strides(self) -> Tuple[int, ...]:
+        """Bytes between elements along each dimension (C order)."""
+        out = [self.itemsize] * len(self.shape)
+        for i in range(len(self.shape) - 2, -1, -1):
+            out[i] = out[i + 1] * self.shape[i + 1]
+        return tuple(out)
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        """``(1, 0)`` (kDLCPU) for host memory, ``(2, ordinal)`` (kDLCUDA)
+        with this process's ordinal of the device for CUDA memory."""
+        return self._device
+
+    def __dlpack__(
+        self,
+        stream: Optional[int] = None,
+        *,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """A DLPack capsule of this tensor (the DLPack Python specification):
+        versioned (DLPack 1.0, ``"dltensor_versioned"``) when ``max_version``
+        is (1, 0) or later, else the legacy ``"dltensor"``. Writable; data
+        is the first element's address, strides are given, byte_offset 0.
+
+        ``stream`` is accepted and needs no synchronization: the buffer is
+        ready once the producer set it ready, and nothing here queues work.
+        ``dl_device`` other than this tensor's, and ``copy=True``, raise
+        BufferError (this export never copies). The tensor holds a count of
+        the buffer until its consumer is done with it."""
+        if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+            raise TypeError(f"stream must be an int or None, not {stream!r}")
+        if dl_device is not None and tuple(dl_device) != self._device:
+            raise BufferError(f"the tensor is on device {self._device}, not {tuple(dl_device)}: no copy is made")
+        if copy:
+            raise BufferError("bufbroker exports the shared memory itself: copy=True is not supported")
+        versioned = max_version is not None and tuple(max_version)[0] >= _dlpack.VERSION[0]
+        conn, h = self._conn, self._handle
+        conn.pin()  # the capsule's own count, for as long as its consumer holds it
+        _n.lib().bb_ref(h)
+        return _dlpack.capsule(
+            self._ptr,
+            self._device,
+            self._dtype,
+            self.shape,
+            versioned,
+            functools.partial(_export_gone, conn, h),
+        )
+
+    def _interface(self) -> Dict[str, Any]:
+        if self._dtype.typestr is None:
+            raise TypeError(f"{self.dtype} has no array interface type: use DLPack")
+        return {
+            "shape": self.shape,
+            "typestr": self._dtype.typestr,
+            "data": (self._ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+    @property
+    def __array_interface__(self) -> Dict[str, Any]:
+        """numpy's array interface (version 3) of a host tensor: numpy keeps
+        the Tensor (and so the mapping) as its array's base. CUDA tensors
+        have no such attribute."""
+        if self.kind != "host":
+            raise AttributeError("a CUDA tensor has no host memory: use __cuda_array_interface__")
+        return self._interface()
 
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]:
+        """The CUDA Array Interface (version 3) of a CUDA tensor. Host
+        tensors have no such attribute."""
+        if self.kind != "cuda":
+            raise AttributeError("a host tensor has no device memory: use __array_interface__")
+        return self._interface()
+
+    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> Any:
+        """``numpy.asarray`` of a host tensor; a TypeError for a CUDA one."""
+        if self.kind != "host":
+            raise TypeError(_no_numpy(repr(self)))
+        return _to_numpy(self, dtype, copy)
