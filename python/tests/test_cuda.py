@@ -180,10 +180,12 @@ def test_cuda_tensor_keeps_the_array_interface_v3_with_its_dtype(cuda_client):
         assert cai == {"shape": (64, 8), "typestr": "<f2", "data": (ptr + 512, False), "strides": None, "version": 3}
 
 
-def test_cuda_capsule_fields_and_its_deleter(cuda_client):
+@pytest.mark.parametrize("handle", ["legacy", "vmm"])
+def test_cuda_capsule_fields_and_its_deleter(cuda_client, handle):
     import bbchild
 
-    buf = cuda_client.alloc(1 << 16, kind="cuda", device=1)
+    buf = cuda_client.alloc(1 << 16, kind="cuda", device=1, cuda_handle=handle)
+    assert buf.cuda_handle == handle
     id_ = buf.id
     ptr = buf.__cuda_array_interface__["data"][0]
     t = buf.as_tensor("int32", (16, 4, 2), offset=1024)
