@@ -127,6 +127,7 @@ THP_OLD=
 DIR=$(mktemp -d /tmp/bbbench-XXXXXX)
 DPID=
 CPID=
+VPID=
 EPID=
 RPID=
 
@@ -146,8 +147,9 @@ cleanup() {
 	stop "$RPID" 5
 	stop "$DPID" 60
 	stop "$CPID" 60
+	stop "$VPID" 60
 	# A sanitizer build's report at the daemon's exit must reach the caller.
-	for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log"; do
+	for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log"; do
 		if grep -qE "Sanitizer|runtime error:" "$log" 2>/dev/null; then
 			echo "---- bufbrokerd log (sanitizer report): $log ----" >&2
 			cat "$log" >&2
@@ -232,7 +234,7 @@ wait_socket() { # wait_socket PATH PID WHAT
 # what it has open at start, with room to spare, and when it serves CUDA
 # the 1024 VMM allocations --max-cuda-vmm-allocations reserves).
 MAX_CONN=1100
-bb_log "starting bufbrokerd (a second one with CUDA), the echo server and redis-server in $DIR"
+bb_log "starting bufbrokerd (a second and a third one with CUDA), the echo server and redis-server in $DIR"
 (
 	ulimit -n "$WANT_FILES" 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 	exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb.sock" --log-level warn \
@@ -254,6 +256,15 @@ if [[ ${#CUDA_ARG[@]} -gt 0 ]]; then
 	wait_socket "$DIR/bb-cuda.sock" "$CPID" "the second bufbrokerd" ||
 		{ cat "$DIR/daemon-cuda.log" >&2; exit 1; }
 	SCALE_CUDA_ARG=(--scale-cuda-socket "$DIR/bb-cuda.sock" --scale-cuda-pid "$CPID")
+	# A third, whose buffers are VMM CUDA buffers by default: the VMM
+	# series compares its memory per buffer with the second's.
+	"${PIN[@]}" "$DAEMON" --socket "$DIR/bb-vmm.sock" --log-level warn \
+		--uid-buffers $((MAX_LEVEL + 100000)) --uid-cuda-bytes 1T \
+		--max-connections "$MAX_CONN" --cuda-handle vmm >"$DIR/daemon-vmm.log" 2>&1 &
+	VPID=$!
+	wait_socket "$DIR/bb-vmm.sock" "$VPID" "the third bufbrokerd" ||
+		{ cat "$DIR/daemon-vmm.log" >&2; exit 1; }
+	SCALE_CUDA_ARG+=(--scale-vmm-socket "$DIR/bb-vmm.sock" --scale-vmm-pid "$VPID")
 fi
 
 "${PIN[@]}" "$BENCH" echo-server --socket "$DIR/echo.sock" >"$DIR/echo.log" 2>&1 &
@@ -282,7 +293,7 @@ CONDITIONS+=" daemon open-file limit $(awk '/Max open files/ {print $4}' "/proc/
 CONDITIONS+=" shmem THP: $(thp_mode)${SHMEM_THP:+ (set by --shmem-thp, was $THP_OLD)};"
 CONDITIONS+=" CUDA: $CUDA_DESC"
 
-SERVER_PIDS="$DPID,$EPID${RPID:+,$RPID}${CPID:+,$CPID}"
+SERVER_PIDS="$DPID,$EPID${RPID:+,$RPID}${CPID:+,$CPID}${VPID:+,$VPID}"
 QUICK_ARG=()
 [[ $QUICK -eq 1 ]] && QUICK_ARG=(--quick)
 bb_log "running bufbroker-bench${QUICK_ARG:+ --quick} (CUDA: $CUDA_DESC)"
@@ -296,7 +307,9 @@ rc=0
 kill -0 "$DPID" 2>/dev/null || { echo "run.sh: bufbrokerd died during the run" >&2; rc=1; }
 [[ -z $CPID ]] || kill -0 "$CPID" 2>/dev/null ||
 	{ echo "run.sh: the second bufbrokerd (CUDA scale) died during the run" >&2; rc=1; }
-for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log"; do
+[[ -z $VPID ]] || kill -0 "$VPID" 2>/dev/null ||
+	{ echo "run.sh: the third bufbrokerd (VMM scale) died during the run" >&2; rc=1; }
+for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log"; do
 	if [[ -s $log ]]; then
 		echo "---- bufbrokerd log: ${log##*/} ----"
 		tail -n 20 "$log"

@@ -169,6 +169,10 @@ typedef struct bench_opts {
 	 * buffers cost; NULL: on bb_socket and daemon_pid. */
 	const char *scale_cuda_socket; /* its socket */
 	int scale_cuda_pid;            /* its pid */
+	/* The VMM CUDA scale series: a third idle bufbrokerd whose default
+	 * CUDA handle is VMM (--cuda-handle vmm); NULL: not run. */
+	const char *scale_vmm_socket;
+	int scale_vmm_pid;
 	uint64_t scale[4];             /* live-buffer levels */
 	int nscale;
 	size_t zc_bytes; /* zero-copy size */

@@ -38,6 +38,9 @@ static void usage(FILE *f)
 		"  --scale-cuda-socket PATH, --scale-cuda-pid PID\n"
 		"                        a second bufbrokerd for the CUDA scale series, idle\n"
 		"                        until then (default: the first)\n"
+		"  --scale-vmm-socket PATH, --scale-vmm-pid PID\n"
+		"                        a third one, run with --cuda-handle vmm, for the VMM\n"
+		"                        CUDA scale series (default: that series is skipped)\n"
 		"  --server-cpu N        pin the servers to CPU N and the client to another for\n"
 		"                        single-client figures (default: nothing pinned)\n"
 		"  --server-pids LIST    the servers' pids, so the bench can pin them (for one\n"
@@ -154,6 +157,8 @@ enum {
 	OPT_DAEMON_FDS_KEPT,
 	OPT_SCALE_CUDA_SOCKET,
 	OPT_SCALE_CUDA_PID,
+	OPT_SCALE_VMM_SOCKET,
+	OPT_SCALE_VMM_PID,
 	OPT_SERVER_CPU,
 	OPT_SERVER_PIDS,
 	OPT_QUICK,
@@ -181,6 +186,8 @@ static const struct option options[] = {
 	{"daemon-fds-kept", required_argument, NULL, OPT_DAEMON_FDS_KEPT},
 	{"scale-cuda-socket", required_argument, NULL, OPT_SCALE_CUDA_SOCKET},
 	{"scale-cuda-pid", required_argument, NULL, OPT_SCALE_CUDA_PID},
+	{"scale-vmm-socket", required_argument, NULL, OPT_SCALE_VMM_SOCKET},
+	{"scale-vmm-pid", required_argument, NULL, OPT_SCALE_VMM_PID},
 	{"server-cpu", required_argument, NULL, OPT_SERVER_CPU},
 	{"server-pids", required_argument, NULL, OPT_SERVER_PIDS},
 	{"quick", no_argument, NULL, OPT_QUICK},
@@ -262,6 +269,8 @@ int main(int argc, char **argv)
 		case OPT_DAEMON_FDS_KEPT: o.daemon_fds_kept = strtoull(optarg, NULL, 10); break;
 		case OPT_SCALE_CUDA_SOCKET: o.scale_cuda_socket = optarg; break;
 		case OPT_SCALE_CUDA_PID: o.scale_cuda_pid = atoi(optarg); break;
+		case OPT_SCALE_VMM_SOCKET: o.scale_vmm_socket = optarg; break;
+		case OPT_SCALE_VMM_PID: o.scale_vmm_pid = atoi(optarg); break;
 		case OPT_SERVER_CPU: server_cpu = atoi(optarg); break;
 		case OPT_SERVER_PIDS:
 			if (parse_pids(optarg) <= 0)
@@ -329,6 +338,8 @@ int main(int argc, char **argv)
 		return bad("run needs --bb-socket and --echo-socket");
 	if (!o.scale_cuda_socket != !o.scale_cuda_pid)
 		return bad("--scale-cuda-socket and --scale-cuda-pid go together");
+	if (!o.scale_vmm_socket != !o.scale_vmm_pid)
+		return bad("--scale-vmm-socket and --scale-vmm-pid go together");
 
 	/* Many short interleaved repetitions: on a shared machine a burst of
 	 * someone else's load then spoils a few of them, not a whole figure. */

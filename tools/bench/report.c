@@ -88,7 +88,8 @@ static double result_ratio(const result *r, const char **against)
 		*against = "vs_socket";
 		return r->r_base;
 	}
-	if (!strcmp(r->group, "scale") || !strcmp(r->group, "scale_cuda")) {
+	if (!strcmp(r->group, "scale") || !strcmp(r->group, "scale_cuda") ||
+	    !strcmp(r->group, "scale_vmm")) {
 		const result *first = scale_end(r->group, 0);
 		*against = "ops_vs_first_level";
 		return first ? div_or_nan(r->ops_per_s, first->ops_per_s) : NAN;
@@ -101,12 +102,20 @@ static double result_ratio(const result *r, const char **against)
 		*against = "vs_ipc_open";
 		return div_or_nan(r->p50_us, metric("cuda.ipc_open", 0));
 	}
+	if (!strcmp(r->group, "cuda") && !strcmp(r->name, "cuda.vmm_map_warm")) {
+		*against = "vs_legacy_warm_map";
+		return div_or_nan(r->p50_us, metric("cuda.map_warm", 0));
+	}
+	if (!strcmp(r->group, "cuda") && !strcmp(r->name, "cuda.vmm_map_cold")) {
+		*against = "vs_legacy_cold_map";
+		return div_or_nan(r->p50_us, metric("cuda.map_cold", 0));
+	}
 	return NAN;
 }
 
 /* ---- targets ------------------------------------------------------------------- */
 
-static char scale_what[128], scale_cuda_what[160], rss_what[128];
+static char scale_what[128], scale_cuda_what[160], rss_what[128], rss_vmm_what[128];
 
 static double local_ratio(void)
 {
@@ -173,6 +182,18 @@ static int targets_compute(const bench_opts *o, target *t)
 			  ">= 0.9x", zc_ratio("zerocopy.bufbroker.recycled", true), 0.9, 0};
 	t[n++] = (target){"host alloc+map+unref 1 MiB p50, in single-client round trips", "<= 3",
 			  host_1mib && !host_1mib->skipped ? host_1mib->r_base : NAN, 3, 1};
+	t[n++] = (target){"VMM map in an already mapped slab p50 vs legacy warm map p50", "<= 1.2x",
+			  div_or_nan(metric("cuda.vmm_map_warm", 0), metric("cuda.map_warm", 0)),
+			  1.2, 1};
+	const result *v1 = scale_end("scale_vmm", 1);
+	snprintf(rss_vmm_what, sizeof(rss_vmm_what),
+		 "daemon RSS per live VMM CUDA buffer vs legacy (at %" PRIu64 ")",
+		 v1 ? v1->param : 0);
+	t[n++] = (target){rss_vmm_what, "<= 1.1x",
+			  v1 && c1 && v1->param == c1->param
+				  ? div_or_nan(v1->rss_per_buf, c1->rss_per_buf)
+				  : NAN,
+			  1.1, 1};
 	return n;
 }
 

@@ -64,6 +64,16 @@ static const series cuda_series = {
 	.raise = "--uid-buffers / --uid-cuda-bytes / --cuda-device-bytes",
 };
 
+/* The same as VMM CUDA buffers, on a daemon whose default handle is VMM:
+ * the daemon's memory per buffer, against the legacy series. */
+static const series vmm_series = {
+	.group = "scale_vmm",
+	.noun = "live VMM CUDA buffers",
+	.kind = BB_CUDA,
+	.bytes = 256,
+	.raise = "--uid-buffers / --uid-cuda-bytes / --cuda-device-bytes",
+};
+
 struct filler {
 	pid_t pid;
 	int cmd; /* parent -> filler: how many more to allocate (uint64) */
@@ -530,4 +540,13 @@ void scenario_scale(const bench_opts *o)
 	}
 	series_run(o, &host_series, -1, &kept);
 	series_run(&oc, &cuda_series, o->scale_cuda_socket ? -1 : kept, &kept);
+	if (o->scale_vmm_socket) {
+		bench_opts ov = *o;
+		ov.rt.bb_socket = o->scale_vmm_socket;
+		ov.daemon_pid = o->scale_vmm_pid;
+		series_run(&ov, &vmm_series, -1, &kept);
+	} else {
+		series_skip(o, &vmm_series,
+			    "skipped: no daemon for VMM buffers (--scale-vmm-socket, --scale-vmm-pid)");
+	}
 }
