@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * VMM CUDA allocations' file descriptors per connection (vmm_fd.h), the
  * AllocationFd request that fetches one again, and bb_cuda_vmm_of and

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The file descriptors of VMM CUDA allocations as one connection holds
  * them (vmm_fd.c). The daemon attaches an allocation's fd to a grant

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU check: everything about CUDA buffers that only a real GPU can
 # show, in one command, in under 5 minutes on one GPU. Against the real
 # driver (libcuda.so.1, never tests/fakecuda) it runs

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * VMM CUDA buffers on the wire (protocol 1.2, docs/PROTOCOL.md), against a
  * real bufbrokerd on tests/fakecuda's driver, through raw SOCK_SEQPACKET

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * What the unit tests of the CUDA backend share (test_cuda_extents.c,
  * test_cuda_vmm.c): the backend on tests/fakecuda's driver ($BB_FAKECUDA,

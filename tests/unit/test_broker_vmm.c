@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The broker's rules for VMM CUDA buffers (daemon/broker.h): a grant
  * carries the allocation's fd exactly when the connection held no count on

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * The CUDA backend's VMM slabs and the choice of a buffer's handle kind
  * (daemon/backend_cuda.h): a VMM slab is a cuMemCreate allocation whose

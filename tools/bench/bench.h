@@ -173,7 +173,7 @@ typedef struct bench_opts {
 	 * CUDA handle is VMM (--cuda-handle vmm); NULL: not run. */
 	const char *scale_vmm_socket;
 	int scale_vmm_pid;
-	uint64_t scale[4];             /* live-buffer levels */
+	uint64_t scale[4]; /* live-buffer levels */
 	int nscale;
 	size_t zc_bytes; /* zero-copy size */
 	int cuda;        /* try the CUDA scenarios */

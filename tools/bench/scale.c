@@ -546,7 +546,8 @@ void scenario_scale(const bench_opts *o)
 		ov.daemon_pid = o->scale_vmm_pid;
 		series_run(&ov, &vmm_series, -1, &kept);
 	} else {
-		series_skip(o, &vmm_series,
-			    "skipped: no daemon for VMM buffers (--scale-vmm-socket, --scale-vmm-pid)");
+		series_skip(
+			o, &vmm_series,
+			"skipped: no daemon for VMM buffers (--scale-vmm-socket, --scale-vmm-pid)");
 	}
 }
