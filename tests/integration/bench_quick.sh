@@ -130,25 +130,31 @@ for r in scale:
         problems.append(f"{r['name']}: no rss_bytes_per_buffer")
 # CUDA: numbers where this test set up the fake driver; else numbers when a
 # driver served it, or a reason.
-for name in ("cuda.alloc_slab", "cuda.memalloc", "cuda.map_warm", "cuda.map_cold", "cuda.ipc_open"):
+for name in ("cuda.alloc_slab", "cuda.memalloc", "cuda.map_warm", "cuda.map_cold", "cuda.ipc_open",
+             "cuda.ipc_open_close", "cuda.vmm_map_warm", "cuda.vmm_map_cold", "cuda.vmm_import_map"):
     need(name, "p50_us", "ops_per_s", may_skip=not cuda_required)
 # The scale series of CUDA buffers: every level (no fd limit caps them),
 # with numbers wherever the CUDA rows have them, else a reason.
 cuda_ok = "cuda.alloc_slab" in res and not res["cuda.alloc_slab"]["skipped"]
-scale_cuda = [r for r in d["results"] if r["group"] == "scale_cuda"]
 levels = d["meta"].get("scale_levels", [])
-if [r.get("param") for r in scale_cuda] != levels:
-    problems.append(f"scale_cuda: levels {[r.get('param') for r in scale_cuda]}, want {levels}")
-for i, r in enumerate(scale_cuda):
-    fields = ("p50_us", "p99_us", "ops_per_s", "rss_bytes_per_buffer", "ops_vs_first_level")
-    need(r["name"], *fields[: 5 if i else 4], may_skip=not (cuda_ok or cuda_required))
+# The VMM series runs on a third daemon whose default handle is VMM: the
+# same levels, for the memory-per-buffer target against the legacy series.
+for group in ("scale_cuda", "scale_vmm"):
+    series = [r for r in d["results"] if r["group"] == group]
+    if [r.get("param") for r in series] != levels:
+        problems.append(f"{group}: levels {[r.get('param') for r in series]}, want {levels}")
+    for i, r in enumerate(series):
+        fields = ("p50_us", "p99_us", "ops_per_s", "rss_bytes_per_buffer", "ops_vs_first_level")
+        need(r["name"], *fields[: 5 if i else 4], may_skip=not (cuda_ok or cuda_required))
 
 targets = d.get("targets", [])
-if len(targets) != 10:
-    problems.append(f"{len(targets)} targets, want 10")
+if len(targets) != 12:
+    problems.append(f"{len(targets)} targets, want 12")
 for t in targets:
-    # Only the CUDA scale target goes unmeasured, and only without CUDA.
-    unmeasured_ok = not (cuda_ok or cuda_required) and "CUDA buffers" in t.get("what", "")
+    # Only the CUDA targets go unmeasured, and only without CUDA.
+    unmeasured_ok = not (cuda_ok or cuda_required) and (
+        "CUDA buffer" in t.get("what", "") or "VMM" in t.get("what", "")
+    )
     if t.get("verdict") not in ("met", "NOT MET") and not (
         unmeasured_ok and t.get("verdict") == "not measured"
     ):
