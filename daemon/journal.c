@@ -424,6 +424,7 @@ int journal_put_session(journal *j, uint32_t *slot, const journal_session *s)
 	memset(&r, 0, sizeof(r));
 	r.id = s->id;
 	r.last_request = s->last_request;
+	r.applied_mask = s->applied_mask;
 	r.grace_ms = s->grace_ms;
 	r.uid = s->uid;
 	r.gid = s->gid;

@@ -64,7 +64,10 @@ typedef struct journal_buffer {
 /* A client session: what lets a reconnecting client resume it. */
 typedef struct journal_session {
 	uint64_t id;           /* never reused (journal_ids) */
-	uint64_t last_request; /* the id of the last state-changing request applied */
+	uint64_t last_request; /* requests with ids up to this one are all applied */
+	uint64_t applied_mask; /* bit i: request last_request + 1 + i is applied too
+				* (a threaded client's ids may reach the wire out of
+				* order) */
 	uint64_t grace_ms;     /* CLOCK_MONOTONIC ms when an absent session is
 				* released; 0 while it is connected */
 	uint32_t uid, gid, pid;

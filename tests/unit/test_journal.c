@@ -170,6 +170,7 @@ static void touch_session(model *m, uint64_t sid)
 	for (size_t i = 0; i < m->ns; i++)
 		if (m->s[i].live && m->s[i].r.id == sid) {
 			m->s[i].r.last_request = ++m->request;
+			m->s[i].r.applied_mask = rnd(m);
 			cr_assert_eq(journal_put_session(m->j, &m->s[i].slot, &m->s[i].r), 0);
 		}
 }
