@@ -383,6 +383,16 @@ static void model_step(model *m)
 	journal_commit(m->j);
 }
 
+/* A model after steps random transactions on a journal whose first extents
+ * have big and small slots. */
+static model *model_after(uint64_t seed, uint32_t big, uint32_t small, int steps)
+{
+	model *m = model_new(seed, big, small);
+	for (int i = 0; i < steps; i++)
+		model_step(m);
+	return m;
+}
+
 static int cmp_buffer(const void *a, const void *b)
 {
 	uint64_t x = ((const journal_buffer *)a)->id, y = ((const journal_buffer *)b)->id;
@@ -495,9 +505,7 @@ static void expect_check_passes(const journal_state *s)
 Test(journal, round_trip_keeps_a_rich_state)
 {
 	/* Small first extents: the file grows many times on the way. */
-	model *m = model_new(42, 4, 8);
-	for (int i = 0; i < 600; i++)
-		model_step(m);
+	model *m = model_after(42, 4, 8, 600);
 	journal_state want, got;
 	model_state(m, &want);
 	cr_assert_gt(want.n_buffers, 5, "the workload should leave buffers");
@@ -561,9 +569,7 @@ static void snaps_clear(snaps *s)
 
 Test(journal, a_crash_after_any_store_reads_as_the_state_before_or_after)
 {
-	model *m = model_new(7, 2, 4); /* tiny extents: growth happens in these steps */
-	for (int i = 0; i < 40; i++)
-		model_step(m);
+	model *m = model_after(7, 2, 4, 40); /* tiny extents: growth happens in these steps */
 	snaps s = {.fd = journal_fd(m->j)};
 	size_t points = 0;
 	for (int step = 0; step < 60; step++) {
@@ -615,9 +621,7 @@ Test(journal, a_crash_after_any_store_reads_as_the_state_before_or_after)
  * still read as the state before. */
 Test(journal, stores_torn_in_any_order_within_a_step_read_as_the_state_before)
 {
-	model *m = model_new(99, 4, 8);
-	for (int i = 0; i < 100; i++)
-		model_step(m);
+	model *m = model_after(99, 4, 8, 100);
 	uint64_t rng = 12345;
 	for (int step = 0; step < 40; step++) {
 		journal_state before, after;
@@ -684,9 +688,7 @@ Test(journal, stores_torn_in_any_order_within_a_step_read_as_the_state_before)
 
 Test(journal, random_corruption_is_refused_or_reads_as_a_committed_state)
 {
-	model *m = model_new(2024, 4, 8);
-	for (int i = 0; i < 300; i++)
-		model_step(m);
+	model *m = model_after(2024, 4, 8, 300);
 	journal_state prev, last;
 	model_state(m, &prev);
 	model_step(m);
@@ -733,9 +735,7 @@ Test(journal, random_corruption_is_refused_or_reads_as_a_committed_state)
 
 Test(journal, a_lost_live_record_is_refused)
 {
-	model *m = model_new(5, 4, 8);
-	for (int i = 0; i < 50; i++)
-		model_step(m);
+	model *m = model_after(5, 4, 8, 50);
 	image im = image_of(journal_fd(m->j));
 	/* Zero both copies of a live buffer's slot, as though its extent were
 	 * never read. The slot is found by its record: a copy (512 bytes, in a
