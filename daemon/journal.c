@@ -96,8 +96,8 @@ typedef struct jclass {
 	jshadow *sh;    /* nslots */
 	uint32_t *free; /* free slots, popped from the end */
 	uint32_t n_free;
-	uint32_t *dropped; /* slots dropped in this transaction: free after commit */
-	uint32_t n_dropped, cap_dropped;
+	uint32_t *dropped; /* nslots: slots dropped in this transaction, free after commit */
+	uint32_t n_dropped;
 } jclass;
 
 struct journal {
@@ -112,8 +112,10 @@ struct journal {
 	uint8_t commit_cur; /* the commit copy that holds it */
 	bool in_txn;
 	jcommit next;      /* the commit being built: ids, digest, counts */
-	uint64_t *touched; /* (class << 32 | slot) written in this transaction */
-	size_t n_touched, cap_touched;
+	uint64_t *touched; /* (class << 32 | slot) written in this transaction; room
+			    * for every slot of both classes, so a put or a drop
+			    * never needs memory but when the file grows */
+	size_t n_touched;
 	void (*hook)(void *ctx);
 	void *hook_ctx;
 };
@@ -227,6 +229,15 @@ static int journal__grow(journal *j, uint32_t cls, uint32_t want)
 	if (!fr)
 		return BB_ERR_NO_MEMORY;
 	c->free = fr;
+	uint32_t *dr = realloc(c->dropped, ((size_t)c->nslots + n) * sizeof(*dr));
+	if (!dr)
+		return BB_ERR_NO_MEMORY;
+	c->dropped = dr;
+	size_t all = (size_t)j->cls[0].nslots + j->cls[1].nslots + n;
+	uint64_t *t = realloc(j->touched, all * sizeof(*t));
+	if (!t)
+		return BB_ERR_NO_MEMORY;
+	j->touched = t;
 	if (ftruncate(j->fd, (off_t)(j->size + len)) != 0)
 		return BB_ERR_NO_MEMORY;
 	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, (off_t)j->size);
@@ -250,28 +261,12 @@ static int journal__grow(journal *j, uint32_t cls, uint32_t want)
 	return 0;
 }
 
-/* Room for one more touched slot. */
-static int journal__reserve_touch(journal *j)
-{
-	if (j->n_touched < j->cap_touched)
-		return 0;
-	size_t cap = j->cap_touched ? 2 * j->cap_touched : 64;
-	uint64_t *t = realloc(j->touched, cap * sizeof(*t));
-	if (!t)
-		return BB_ERR_NO_MEMORY;
-	j->touched = t;
-	j->cap_touched = cap;
-	return 0;
-}
-
 /* Write a record of type (T_FREE: a drop) with its bytes into *slot's
  * uncommitted copy; a new slot when *slot is JOURNAL_NO_SLOT. */
 static int journal__put(journal *j, uint32_t cls, uint32_t *slot, uint32_t type, const void *rec,
 			size_t rec_len, uint32_t aux)
 {
 	jclass *c = &j->cls[cls];
-	if (journal__reserve_touch(j))
-		return BB_ERR_NO_MEMORY;
 	if (*slot == JOURNAL_NO_SLOT) {
 		if (!c->n_free) {
 			int rc = journal__grow(j, cls, c->first_extent_slots);
@@ -279,6 +274,8 @@ static int journal__put(journal *j, uint32_t cls, uint32_t *slot, uint32_t type,
 				return rc;
 		}
 		*slot = c->free[--c->n_free];
+	} else if (*slot >= c->nslots) {
+		return BB_ERR_INVALID; /* not a slot this journal gave */
 	}
 	jshadow *s = &c->sh[*slot];
 	if (!s->pending)
@@ -461,15 +458,6 @@ void journal_drop(journal *j, uint32_t *slot, bool buffer)
 	if (*slot == JOURNAL_NO_SLOT)
 		return;
 	jclass *c = &j->cls[buffer ? CLASS_BIG : CLASS_SMALL];
-	/* Room for the slot on the dropped list first: a drop cannot fail. */
-	if (c->n_dropped == c->cap_dropped) {
-		uint32_t cap = c->cap_dropped ? 2 * c->cap_dropped : 64;
-		uint32_t *d = realloc(c->dropped, cap * sizeof(*d));
-		if (!d)
-			return; /* keep the record: the checker sees a leak, not a loss */
-		c->dropped = d;
-		c->cap_dropped = cap;
-	}
 	if (journal__put(j, buffer ? CLASS_BIG : CLASS_SMALL, slot, T_FREE, NULL, 0, 0))
 		return;
 	c->dropped[c->n_dropped++] = *slot;

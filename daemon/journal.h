@@ -137,14 +137,18 @@ int journal_fd(const journal *j);
 void journal_begin(journal *j);
 /* Write a record. *slot: JOURNAL_NO_SLOT for a new record (the slot it got
  * is written back), else the slot an earlier put of the same record gave.
- * 0, or BB_ERR_NO_MEMORY when a new slot was needed and the file could not
- * grow (the transaction is still open and may be committed). */
+ * 0, or BB_ERR_NO_MEMORY when a new slot was needed and the file (or the
+ * writer's tables) could not grow, or BB_ERR_INVALID for a slot this
+ * journal did not give; either way nothing was written (the transaction is
+ * still open and may be committed). */
 int journal_put_buffer(journal *j, uint32_t *slot, const journal_buffer *b);
 int journal_put_session(journal *j, uint32_t *slot, const journal_session *s);
 int journal_put_hold(journal *j, uint32_t *slot, const journal_hold *h);
 int journal_put_token(journal *j, uint32_t *slot, const journal_token *t);
 /* Remove a record; *slot becomes JOURNAL_NO_SLOT (the slot is reused after
- * the commit). buffer: true for a buffer's slot, false for the others'. */
+ * the commit). buffer: true for a buffer's slot, false for the others'.
+ * Never fails: it needs no memory. (A slot this journal did not give is
+ * left alone.) */
 void journal_drop(journal *j, uint32_t *slot, bool buffer);
 void journal_set_ids(journal *j, const journal_ids *ids);
 /* Make the transaction's changes the journal's state. */
