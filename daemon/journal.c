@@ -694,10 +694,15 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 			     (unsigned long long)commit.count[T_TOKEN]);
 		goto out;
 	}
-	qsort(v[T_BUFFER].items, v[T_BUFFER].n, v[T_BUFFER].size, cmp_buffer);
-	qsort(v[T_SESSION].items, v[T_SESSION].n, v[T_SESSION].size, cmp_session);
-	qsort(v[T_HOLD].items, v[T_HOLD].n, v[T_HOLD].size, cmp_hold);
-	qsort(v[T_TOKEN].items, v[T_TOKEN].n, v[T_TOKEN].size, cmp_token);
+	int (*cmp[T_COUNT])(const void *, const void *) = {
+		[T_BUFFER] = cmp_buffer,
+		[T_SESSION] = cmp_session,
+		[T_HOLD] = cmp_hold,
+		[T_TOKEN] = cmp_token,
+	};
+	for (int t = T_BUFFER; t < T_COUNT; t++)
+		if (v[t].n) /* items is NULL when empty, which qsort may not take */
+			qsort(v[t].items, v[t].n, v[t].size, cmp[t]);
 	out->seq = commit.seq;
 	out->ids.next_buffer = commit.next_buffer;
 	out->ids.next_session = commit.next_session;
@@ -756,12 +761,16 @@ static void problem(jreport *r, const char *fmt, ...)
 static const journal_buffer *find_buffer(const journal_state *s, uint64_t id)
 {
 	journal_buffer key = {.id = id};
+	if (!s->n_buffers)
+		return NULL; /* buffers may be NULL, which bsearch may not take */
 	return bsearch(&key, s->buffers, s->n_buffers, sizeof(key), cmp_buffer);
 }
 
 static bool has_session(const journal_state *s, uint64_t id)
 {
 	journal_session key = {.id = id};
+	if (!s->n_sessions)
+		return false;
 	return bsearch(&key, s->sessions, s->n_sessions, sizeof(key), cmp_session) != NULL;
 }
 

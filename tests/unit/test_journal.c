@@ -453,14 +453,12 @@ static void model_state(const model *m, journal_state *out)
  * as the journal's are, so bytes compare). */
 static bool states_equal(const journal_state *a, const journal_state *b)
 {
+	/* An empty array may be NULL, which memcmp may not take. */
+#define SAME(n, arr) (a->n == b->n && (!a->n || !memcmp(a->arr, b->arr, a->n * sizeof(*a->arr))))
 	return a->ids.next_buffer == b->ids.next_buffer &&
-	       a->ids.next_session == b->ids.next_session && a->n_buffers == b->n_buffers &&
-	       a->n_sessions == b->n_sessions && a->n_holds == b->n_holds &&
-	       a->n_tokens == b->n_tokens &&
-	       !memcmp(a->buffers, b->buffers, a->n_buffers * sizeof(journal_buffer)) &&
-	       !memcmp(a->sessions, b->sessions, a->n_sessions * sizeof(journal_session)) &&
-	       !memcmp(a->holds, b->holds, a->n_holds * sizeof(journal_hold)) &&
-	       !memcmp(a->tokens, b->tokens, a->n_tokens * sizeof(journal_token));
+	       a->ids.next_session == b->ids.next_session && SAME(n_buffers, buffers) &&
+	       SAME(n_sessions, sessions) && SAME(n_holds, holds) && SAME(n_tokens, tokens);
+#undef SAME
 }
 
 /* A file's bytes. */
