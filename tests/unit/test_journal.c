@@ -819,13 +819,20 @@ Test(journal, what_is_not_a_journal_is_refused)
 	free(zeros.bytes);
 }
 
-Test(journal, the_memfd_is_sealed_against_shrinking)
+/* A model whose journal holds one session and one buffer it allocated. */
+static model *model_with_a_buffer(uint64_t seed)
 {
-	model *m = model_new(3, 0, 0);
+	model *m = model_new(seed, 0, 0);
 	journal_begin(m->j);
 	op_session_open(m);
 	op_alloc(m);
 	journal_commit(m->j);
+	return m;
+}
+
+Test(journal, the_memfd_is_sealed_against_shrinking)
+{
+	model *m = model_with_a_buffer(3);
 	int seals = fcntl(journal_fd(m->j), F_GET_SEALS);
 	cr_assert(seals & F_SEAL_SHRINK);
 	cr_assert_neq(ftruncate(journal_fd(m->j), 4096), 0);
@@ -842,11 +849,7 @@ static void count_stores(void *ctx)
  * growth; the file does not grow as buffers come and go. */
 Test(journal, a_retain_costs_two_record_copies_and_a_commit)
 {
-	model *m = model_new(11, 0, 0);
-	journal_begin(m->j);
-	op_session_open(m);
-	op_alloc(m);
-	journal_commit(m->j);
+	model *m = model_with_a_buffer(11);
 	struct stat st0, st1;
 	cr_assert_eq(fstat(journal_fd(m->j), &st0), 0);
 	size_t stores = 0;
@@ -919,40 +922,37 @@ Test(journal, the_checker_refuses_inconsistent_states)
 	journal_state st = consistent(b, s, h, t);
 	expect_check_passes(&st);
 
-	st = consistent(b, s, h, t);
-	h[0].buffer = 9;
-	expect_refused(&st, "buffer 9 is unknown");
-	st = consistent(b, s, h, t);
-	h[0].session = 5;
-	expect_refused(&st, "session 5 is unknown");
-	st = consistent(b, s, h, t);
-	h[0].count = 0;
-	expect_refused(&st, "count 0");
-	st = consistent(b, s, h, t);
-	t[0].buffer = 7;
-	expect_refused(&st, "token: buffer 7 is unknown");
-	st = consistent(b, s, h, t);
-	st.ids.next_buffer = 2;
-	expect_refused(&st, "would be reused");
-	st = consistent(b, s, h, t);
-	st.ids.next_session = 1;
-	expect_refused(&st, "would be reused");
-	st = consistent(b, s, h, t);
-	st.n_tokens = 0; /* buffer 2 has no reference left */
-	expect_refused(&st, "buffer 2: no reference");
-	st = consistent(b, s, h, t);
-	strcpy(b[0].name, "kv");
-	strcpy(b[1].name, "kv");
-	expect_refused(&st, "both named \"kv\"");
-	st = consistent(b, s, h, t);
-	b[1].producer = 4;
-	expect_refused(&st, "producer session 4 is unknown");
-	st = consistent(b, s, h, t);
-	b[0].state = 7;
-	expect_refused(&st, "state 7");
-	st = consistent(b, s, h, t);
-	b[1].id = 1;
-	expect_refused(&st, "two records");
+	/* One break of the consistent state per case, and what the report says. */
+	static const char *const want[] = {
+		"buffer 9 is unknown",
+		"session 5 is unknown",
+		"count 0",
+		"token: buffer 7 is unknown",
+		"would be reused", /* a buffer id */
+		"would be reused", /* a session id */
+		"buffer 2: no reference",
+		"both named \"kv\"",
+		"producer session 4 is unknown",
+		"state 7",
+		"two records",
+	};
+	for (size_t c = 0; c < sizeof(want) / sizeof(want[0]); c++) {
+		st = consistent(b, s, h, t);
+		switch (c) {
+		case 0: h[0].buffer = 9; break;
+		case 1: h[0].session = 5; break;
+		case 2: h[0].count = 0; break;
+		case 3: t[0].buffer = 7; break;
+		case 4: st.ids.next_buffer = 2; break;
+		case 5: st.ids.next_session = 1; break;
+		case 6: st.n_tokens = 0; break; /* buffer 2's only reference */
+		case 7: strcpy(b[0].name, "kv"), strcpy(b[1].name, "kv"); break;
+		case 8: b[1].producer = 4; break;
+		case 9: b[0].state = 7; break;
+		default: b[1].id = 1; break;
+		}
+		expect_refused(&st, want[c]);
+	}
 }
 
 /* A journal whose records break an invariant (as a writer bug would make
