@@ -19,6 +19,11 @@
  * records of each type, so a copy that is lost or stale (memory corrupted
  * rather than torn) makes the reader refuse, never yield wrong counts.
  *
+ * One writer: a journal is written from one thread (the loop thread, where
+ * the broker runs) and is not thread-safe; that is also why a compiler
+ * barrier, not a memory fence, orders its stores (a crash stops that one
+ * thread at an instruction boundary).
+ *
  * The journal holds records, not the broker's structures: this module knows
  * nothing of the broker, and the layer that wires it in maps one to the
  * other. The caller keeps each record's slot (journal_slot) beside its own
