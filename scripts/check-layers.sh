@@ -9,7 +9,7 @@
 # symbols behind each of its edges.
 #
 # The objects: every .o of the CMake targets bufbrokerd (daemon/*.c but the
-# core), bbbroker (the pure core: broker.c, idmap.c) and bbcommon (common/*.c
+# core), bbbroker (the pure core: broker.c, idmap.c, journal.c) and bbcommon (common/*.c
 # and the generated protobuf-c code) in a configured and built tree. An
 # object whose source file is gone (a stale leftover of a moved or deleted
 # file) is skipped with a note; an object older than its source, and a

@@ -1,0 +1,872 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The state journal (journal.h; the design and the file layout are in
+ * docs/RESTART.md, "The journal").
+ *
+ * The file: page 0 holds the header (written once), the extent table
+ * (each entry written once, before any slot of its extent is used) and the
+ * two copies of the commit record. Extents follow, page-aligned, each of
+ * one slot class: big slots (buffers) or small slots (sessions, holds,
+ * tokens). A slot is two copies of its record; a copy is a header (seq,
+ * checksum, slot index, type) and the record's bytes.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "journal.h"
+
+#define PAGE 4096u
+#define EXTENT_TABLE_OFF 64u
+#define COMMIT_OFF 2048u
+#define COMMIT_COPY 128u
+#define BIG_COPY 512u
+#define SMALL_COPY 96u
+#define CLASS_BIG 0u
+#define CLASS_SMALL 1u
+
+enum { T_FREE = 0, T_BUFFER = 1, T_SESSION = 2, T_HOLD = 3, T_TOKEN = 4, T_COUNT = 5 };
+
+typedef struct jheader {
+	uint64_t magic;
+	uint32_t version;
+	uint32_t big_copy;   /* bytes of one copy of a big slot */
+	uint32_t small_copy; /* ... of a small slot */
+	uint32_t reserved;
+	uint64_t ck; /* over the fields above */
+} jheader;
+
+typedef struct jextent {
+	uint64_t offset; /* in the file, page-aligned */
+	uint32_t cls;    /* CLASS_* */
+	uint32_t nslots;
+	uint64_t first; /* the class's slot index of its first slot */
+	uint64_t ck;    /* over the fields above; 0: no entry */
+} jextent;
+
+typedef struct jcommit {
+	uint64_t seq; /* the transaction committed; 0: never written */
+	uint64_t ck;  /* over what follows, seeded with seq */
+	uint64_t next_buffer, next_session;
+	uint64_t digest;         /* sum of the checksums of live records' copies */
+	uint64_t count[T_COUNT]; /* live records per type (count[T_FREE] unused) */
+	uint64_t hold_sum;       /* the sum of every hold's count */
+} jcommit;
+
+typedef struct jcopy {
+	uint64_t seq; /* the transaction that wrote it; 0: never written */
+	uint64_t ck;  /* over what follows (to the copy's end), seeded with seq */
+	uint32_t slot;
+	uint32_t type; /* T_* */
+} jcopy;
+
+_Static_assert(sizeof(jcommit) <= COMMIT_COPY, "commit copy");
+_Static_assert(EXTENT_TABLE_OFF + JOURNAL_EXTENTS * sizeof(jextent) <= COMMIT_OFF, "extents");
+_Static_assert(sizeof(jcopy) + sizeof(journal_buffer) <= BIG_COPY, "big copy");
+_Static_assert(sizeof(jcopy) + sizeof(journal_session) <= SMALL_COPY, "session copy");
+_Static_assert(sizeof(jcopy) + sizeof(journal_token) <= SMALL_COPY, "token copy");
+_Static_assert(sizeof(jcopy) + sizeof(journal_hold) <= SMALL_COPY, "hold copy");
+
+/* The writer's memory of one slot: which copy is committed and what the
+ * transaction under way has written, so that the digest and the counts
+ * follow without reading the file back. */
+typedef struct jshadow {
+	unsigned char *addr; /* the slot in the mapping */
+	uint64_t cur_ck;     /* checksum of the committed copy */
+	uint64_t pend_ck;    /* ... of the copy this transaction wrote */
+	uint32_t cur_aux;    /* a hold's count in the committed copy */
+	uint32_t pend_aux;
+	uint8_t cur;       /* the committed copy: 0 or 1 */
+	uint8_t cur_type;  /* its type (T_FREE: none) */
+	uint8_t pend_type; /* the type this transaction wrote */
+	uint8_t pending;   /* written in this transaction */
+} jshadow;
+
+typedef struct jclass {
+	uint32_t copy;   /* bytes of one copy */
+	uint32_t nslots; /* slots in all extents of the class */
+	uint32_t first_extent_slots;
+	jshadow *sh;    /* nslots */
+	uint32_t *free; /* free slots, popped from the end */
+	uint32_t n_free;
+	uint32_t *dropped; /* nslots: slots dropped in this transaction, free after commit */
+	uint32_t n_dropped;
+} jclass;
+
+struct journal {
+	int fd;
+	unsigned char *page0; /* the header page, mapped */
+	uint64_t size;        /* the file's size */
+	void *ext_base[JOURNAL_EXTENTS];
+	size_t ext_len[JOURNAL_EXTENTS];
+	uint32_t n_ext;
+	jclass cls[2];
+	uint64_t seq;       /* the last committed transaction */
+	uint8_t commit_cur; /* the commit copy that holds it */
+	bool in_txn;
+	jcommit next;      /* the commit being built: ids, digest, counts */
+	uint64_t *touched; /* (class << 32 | slot) written in this transaction; room
+			    * for every slot of both classes, so a put or a drop
+			    * never needs memory but when the file grows */
+	size_t n_touched;
+	void (*hook)(void *ctx);
+	void *hook_ctx;
+};
+
+/* ---- checksums ---------------------------------------------------------- */
+
+static uint64_t jmix(uint64_t h)
+{
+	h ^= h >> 33;
+	h *= 0xff51afd7ed558ccdull;
+	h ^= h >> 33;
+	h *= 0xc4ceb9fe1a85ec53ull;
+	h ^= h >> 33;
+	return h;
+}
+
+/* A 64-bit checksum of n bytes (a multiple of 8), seeded; never 0, which
+ * marks a copy never written. Order-sensitive: a word moved is a change. */
+static uint64_t jsum(uint64_t seed, const void *p, size_t n)
+{
+	const unsigned char *b = p;
+	uint64_t h = jmix(seed ^ 0x9e3779b97f4a7c15ull ^ n);
+	for (size_t i = 0; i < n; i += 8) {
+		uint64_t w;
+		memcpy(&w, b + i, 8);
+		h = (h ^ w) * 0x9fb21c651e98df25ull;
+		h ^= h >> 29;
+	}
+	h = jmix(h);
+	return h ? h : 1;
+}
+
+static uint64_t header_ck(const jheader *h)
+{
+	return jsum(0, h, offsetof(jheader, ck));
+}
+
+static uint64_t extent_ck(const jextent *e)
+{
+	return jsum(1, e, offsetof(jextent, ck));
+}
+
+static uint64_t commit_ck(const jcommit *c)
+{
+	return jsum(c->seq, (const unsigned char *)c + 16, sizeof(*c) - 16);
+}
+
+static uint64_t copy_ck(const unsigned char *copy, uint32_t copy_size)
+{
+	uint64_t seq;
+	memcpy(&seq, copy, 8);
+	return jsum(seq, copy + 16, copy_size - 16);
+}
+
+/* ---- the writer ---------------------------------------------------------- */
+
+/* Every store into the file goes through here, so a test can stop after
+ * any of them (journal_set_store_hook). */
+static void jstore(journal *j, void *dst, const void *src, size_t n)
+{
+	if (!j->hook) {
+		memcpy(dst, src, n);
+		return;
+	}
+	unsigned char *d = dst;
+	const unsigned char *s = src;
+	for (size_t i = 0; i < n; i += 8) {
+		size_t k = n - i < 8 ? n - i : 8;
+		memcpy(d + i, s + i, k);
+		j->hook(j->hook_ctx);
+	}
+}
+
+/* Stores before this are made before stores after it: a crash stops the
+ * writer at an instruction boundary, so the compiler's order is the one
+ * that matters (the mapping is shared; no other thread reads it). */
+static void jfence(void)
+{
+	atomic_signal_fence(memory_order_seq_cst);
+}
+
+static int set_err(char *err, size_t len, int code, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+
+static int set_err(char *err, size_t len, int code, const char *fmt, ...)
+{
+	if (err && len) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(err, len, fmt, ap);
+		va_end(ap);
+	}
+	return code;
+}
+
+/* Add an extent of the class with at least want slots. */
+static int journal__grow(journal *j, uint32_t cls, uint32_t want)
+{
+	jclass *c = &j->cls[cls];
+	if (j->n_ext >= JOURNAL_EXTENTS || c->nslots > UINT32_MAX / 2)
+		return BB_ERR_NO_MEMORY;
+	uint32_t n = c->nslots > want ? c->nslots : want;
+	size_t len = ((size_t)n * 2 * c->copy + PAGE - 1) / PAGE * PAGE;
+	n = (uint32_t)(len / (2 * c->copy));
+	jshadow *sh = realloc(c->sh, ((size_t)c->nslots + n) * sizeof(*sh));
+	if (!sh)
+		return BB_ERR_NO_MEMORY;
+	c->sh = sh;
+	/* Room for every slot: dropped ones come back at commits. */
+	uint32_t *fr = realloc(c->free, ((size_t)c->nslots + n) * sizeof(*fr));
+	if (!fr)
+		return BB_ERR_NO_MEMORY;
+	c->free = fr;
+	uint32_t *dr = realloc(c->dropped, ((size_t)c->nslots + n) * sizeof(*dr));
+	if (!dr)
+		return BB_ERR_NO_MEMORY;
+	c->dropped = dr;
+	size_t all = (size_t)j->cls[0].nslots + j->cls[1].nslots + n;
+	uint64_t *t = realloc(j->touched, all * sizeof(*t));
+	if (!t)
+		return BB_ERR_NO_MEMORY;
+	j->touched = t;
+	if (ftruncate(j->fd, (off_t)(j->size + len)) != 0)
+		return BB_ERR_NO_MEMORY;
+	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, (off_t)j->size);
+	if (base == MAP_FAILED)
+		return BB_ERR_NO_MEMORY; /* the file stays longer: harmless, unnamed */
+	jextent e = {.offset = j->size, .cls = cls, .nslots = n, .first = c->nslots};
+	e.ck = extent_ck(&e);
+	jstore(j, j->page0 + EXTENT_TABLE_OFF + j->n_ext * sizeof(jextent), &e, sizeof(e));
+	jfence(); /* the entry before any slot of it */
+	j->ext_base[j->n_ext] = base;
+	j->ext_len[j->n_ext] = len;
+	j->n_ext++;
+	j->size += len;
+	for (uint32_t i = 0; i < n; i++) {
+		jshadow *s = &c->sh[c->nslots + i];
+		memset(s, 0, sizeof(*s));
+		s->addr = (unsigned char *)base + (size_t)i * 2 * c->copy;
+		c->free[c->n_free++] = c->nslots + n - 1 - i; /* lowest popped first */
+	}
+	c->nslots += n;
+	return 0;
+}
+
+/* Write a record of type (T_FREE: a drop) with its bytes into *slot's
+ * uncommitted copy; a new slot when *slot is JOURNAL_NO_SLOT. */
+static int journal__put(journal *j, uint32_t cls, uint32_t *slot, uint32_t type, const void *rec,
+			size_t rec_len, uint32_t aux)
+{
+	jclass *c = &j->cls[cls];
+	if (*slot == JOURNAL_NO_SLOT) {
+		if (!c->n_free) {
+			int rc = journal__grow(j, cls, c->first_extent_slots);
+			if (rc)
+				return rc;
+		}
+		*slot = c->free[--c->n_free];
+	} else if (*slot >= c->nslots) {
+		return BB_ERR_INVALID; /* not a slot this journal gave */
+	}
+	jshadow *s = &c->sh[*slot];
+	if (!s->pending)
+		j->touched[j->n_touched++] = (uint64_t)cls << 32 | *slot;
+	unsigned char copy[BIG_COPY];
+	memset(copy, 0, c->copy);
+	jcopy h = {.seq = j->seq + 1, .slot = *slot, .type = type};
+	memcpy(copy, &h, sizeof(h));
+	if (rec_len)
+		memcpy(copy + sizeof(h), rec, rec_len);
+	uint64_t ck = copy_ck(copy, c->copy);
+	memcpy(copy + 8, &ck, 8);
+	jstore(j, s->addr + (size_t)(1 - s->cur) * c->copy, copy, c->copy);
+
+	/* The digest and counts, moved from what the slot held to what it holds. */
+	uint8_t was = s->pending ? s->pend_type : s->cur_type;
+	if (was != T_FREE) {
+		j->next.digest -= s->pending ? s->pend_ck : s->cur_ck;
+		j->next.count[was]--;
+		if (was == T_HOLD)
+			j->next.hold_sum -= s->pending ? s->pend_aux : s->cur_aux;
+	}
+	if (type != T_FREE) {
+		j->next.digest += ck;
+		j->next.count[type]++;
+		if (type == T_HOLD)
+			j->next.hold_sum += aux;
+	}
+	s->pending = 1;
+	s->pend_ck = ck;
+	s->pend_type = (uint8_t)type;
+	s->pend_aux = aux;
+	return 0;
+}
+
+int journal_create(const journal_config *cfg, journal **out, char *err, size_t len)
+{
+	journal *j = calloc(1, sizeof(*j));
+	if (!j)
+		return set_err(err, len, BB_ERR_NO_MEMORY, "journal: out of memory");
+	j->cls[CLASS_BIG].copy = BIG_COPY;
+	j->cls[CLASS_SMALL].copy = SMALL_COPY;
+	j->cls[CLASS_BIG].first_extent_slots = cfg && cfg->big_slots ? cfg->big_slots : 1024;
+	j->cls[CLASS_SMALL].first_extent_slots = cfg && cfg->small_slots ? cfg->small_slots : 4096;
+	j->fd = memfd_create("bufbroker-journal", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (j->fd < 0) {
+		int e = errno;
+		free(j);
+		return set_err(err, len, BB_ERR_SYSTEM, "journal: memfd_create: %s", strerror(e));
+	}
+	if (ftruncate(j->fd, PAGE) != 0 || fcntl(j->fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0)
+		goto err_sys;
+	j->size = PAGE;
+	j->page0 = mmap(NULL, PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, 0);
+	if (j->page0 == MAP_FAILED)
+		goto err_sys;
+	jheader h = {.magic = JOURNAL_MAGIC,
+		     .version = JOURNAL_VERSION,
+		     .big_copy = BIG_COPY,
+		     .small_copy = SMALL_COPY};
+	h.ck = header_ck(&h);
+	memcpy(j->page0, &h, sizeof(h));
+	/* Transaction 1: the empty state, ids from 1. */
+	j->next.next_buffer = 1;
+	j->next.next_session = 1;
+	j->in_txn = true;
+	journal_commit(j);
+	*out = j;
+	return 0;
+err_sys:;
+	int e = errno;
+	if (j->page0 && j->page0 != MAP_FAILED)
+		munmap(j->page0, PAGE);
+	close(j->fd);
+	free(j);
+	return set_err(err, len, BB_ERR_SYSTEM, "journal: cannot size the memfd: %s", strerror(e));
+}
+
+void journal_free(journal *j)
+{
+	if (!j)
+		return;
+	for (uint32_t i = 0; i < j->n_ext; i++)
+		munmap(j->ext_base[i], j->ext_len[i]);
+	munmap(j->page0, PAGE);
+	close(j->fd);
+	for (int i = 0; i < 2; i++) {
+		free(j->cls[i].sh);
+		free(j->cls[i].free);
+		free(j->cls[i].dropped);
+	}
+	free(j->touched);
+	free(j);
+}
+
+int journal_fd(const journal *j)
+{
+	return j->fd;
+}
+
+uint64_t journal_seq(const journal *j)
+{
+	return j->seq;
+}
+
+void journal_set_store_hook(journal *j, void (*fn)(void *ctx), void *ctx)
+{
+	j->hook = fn;
+	j->hook_ctx = ctx;
+}
+
+void journal_begin(journal *j)
+{
+	j->in_txn = true;
+}
+
+int journal_put_buffer(journal *j, uint32_t *slot, const journal_buffer *b)
+{
+	journal_buffer r;
+	memset(&r, 0, sizeof(r)); /* padding too: the checksum reads it */
+	r.id = b->id;
+	r.size = b->size;
+	r.producer = b->producer;
+	r.allocation = b->allocation;
+	r.offset = b->offset;
+	r.kind = b->kind;
+	r.device = b->device;
+	r.cuda_handle = b->cuda_handle;
+	r.state = b->state;
+	r.owner_uid = b->owner_uid;
+	r.owner_gid = b->owner_gid;
+	r.share = b->share;
+	r.flags = b->flags;
+	/* At most the field's length, the rest zeros (memset above). */
+	memcpy(r.name, b->name, strnlen(b->name, BB_NAME_MAX));
+	memcpy(r.error, b->error, strnlen(b->error, JOURNAL_ERROR_MAX));
+	return journal__put(j, CLASS_BIG, slot, T_BUFFER, &r, sizeof(r), 0);
+}
+
+int journal_put_session(journal *j, uint32_t *slot, const journal_session *s)
+{
+	journal_session r;
+	memset(&r, 0, sizeof(r));
+	r.id = s->id;
+	r.last_request = s->last_request;
+	r.applied_mask = s->applied_mask;
+	r.grace_ms = s->grace_ms;
+	r.uid = s->uid;
+	r.gid = s->gid;
+	r.pid = s->pid;
+	r.minor = s->minor;
+	memcpy(r.secret, s->secret, sizeof(r.secret));
+	return journal__put(j, CLASS_SMALL, slot, T_SESSION, &r, sizeof(r), 0);
+}
+
+int journal_put_hold(journal *j, uint32_t *slot, const journal_hold *h)
+{
+	journal_hold r;
+	memset(&r, 0, sizeof(r));
+	r.session = h->session;
+	r.buffer = h->buffer;
+	r.count = h->count;
+	return journal__put(j, CLASS_SMALL, slot, T_HOLD, &r, sizeof(r), r.count);
+}
+
+int journal_put_token(journal *j, uint32_t *slot, const journal_token *t)
+{
+	journal_token r;
+	memset(&r, 0, sizeof(r));
+	memcpy(r.token, t->token, sizeof(r.token));
+	r.buffer = t->buffer;
+	r.session = t->session;
+	r.deadline_ms = t->deadline_ms;
+	r.maker_uid = t->maker_uid;
+	return journal__put(j, CLASS_SMALL, slot, T_TOKEN, &r, sizeof(r), 0);
+}
+
+void journal_drop(journal *j, uint32_t *slot, bool buffer)
+{
+	if (*slot == JOURNAL_NO_SLOT)
+		return;
+	jclass *c = &j->cls[buffer ? CLASS_BIG : CLASS_SMALL];
+	if (journal__put(j, buffer ? CLASS_BIG : CLASS_SMALL, slot, T_FREE, NULL, 0, 0))
+		return;
+	c->dropped[c->n_dropped++] = *slot;
+	*slot = JOURNAL_NO_SLOT;
+}
+
+void journal_set_ids(journal *j, const journal_ids *ids)
+{
+	j->next.next_buffer = ids->next_buffer;
+	j->next.next_session = ids->next_session;
+}
+
+void journal_commit(journal *j)
+{
+	if (!j->in_txn)
+		return;
+	jcommit c = j->next;
+	c.seq = j->seq + 1;
+	c.ck = commit_ck(&c);
+	uint8_t to = j->seq ? 1 - j->commit_cur : 0;
+	jfence(); /* every record of the transaction before its commit */
+	/* The rest of the copy's COMMIT_COPY bytes stays zero. */
+	jstore(j, j->page0 + COMMIT_OFF + to * COMMIT_COPY, &c, sizeof(c));
+	jfence();
+	j->commit_cur = to;
+	j->seq = c.seq;
+	j->in_txn = false;
+	for (size_t i = 0; i < j->n_touched; i++) {
+		jclass *cl = &j->cls[j->touched[i] >> 32];
+		jshadow *s = &cl->sh[(uint32_t)j->touched[i]];
+		s->cur = 1 - s->cur;
+		s->cur_ck = s->pend_ck;
+		s->cur_type = s->pend_type;
+		s->cur_aux = s->pend_aux;
+		s->pending = 0;
+	}
+	j->n_touched = 0;
+	for (int k = 0; k < 2; k++) {
+		jclass *cl = &j->cls[k];
+		for (uint32_t i = 0; i < cl->n_dropped; i++)
+			if (cl->sh[cl->dropped[i]].cur_type == T_FREE) /* not reused since */
+				cl->free[cl->n_free++] = cl->dropped[i];
+		cl->n_dropped = 0;
+	}
+}
+
+/* ---- the reader ---------------------------------------------------------- */
+
+typedef struct jvec {
+	void *items;
+	size_t n, cap, size;
+} jvec;
+
+static void *jvec_push(jvec *v)
+{
+	if (v->n == v->cap) {
+		size_t cap = v->cap ? 2 * v->cap : 64;
+		void *p = realloc(v->items, cap * v->size);
+		if (!p)
+			return NULL;
+		v->items = p;
+		v->cap = cap;
+	}
+	return (unsigned char *)v->items + v->n++ * v->size;
+}
+
+static int cmp_u64(uint64_t a, uint64_t b)
+{
+	return a < b ? -1 : a > b;
+}
+
+static int cmp_buffer(const void *a, const void *b)
+{
+	return cmp_u64(((const journal_buffer *)a)->id, ((const journal_buffer *)b)->id);
+}
+
+static int cmp_session(const void *a, const void *b)
+{
+	return cmp_u64(((const journal_session *)a)->id, ((const journal_session *)b)->id);
+}
+
+static int cmp_hold(const void *a, const void *b)
+{
+	const journal_hold *x = a, *y = b;
+	int c = cmp_u64(x->session, y->session);
+	return c ? c : cmp_u64(x->buffer, y->buffer);
+}
+
+static int cmp_token(const void *a, const void *b)
+{
+	return memcmp(((const journal_token *)a)->token, ((const journal_token *)b)->token,
+		      BB_TOKEN_SIZE);
+}
+
+/* The committed copy of a slot: the valid one with the highest sequence
+ * number not above seq. NULL when neither is (never written, or both
+ * unusable: the digest then tells whether a record went missing). */
+static const unsigned char *pick_copy(const unsigned char *slot, uint32_t copy, uint64_t index,
+				      uint64_t seq)
+{
+	const unsigned char *best = NULL;
+	uint64_t best_seq = 0;
+	for (int i = 0; i < 2; i++) {
+		const unsigned char *c = slot + (size_t)i * copy;
+		jcopy h;
+		memcpy(&h, c, sizeof(h));
+		if (h.seq == 0 || h.seq > seq || h.slot != index || h.ck != copy_ck(c, copy))
+			continue;
+		if (!best || h.seq > best_seq) {
+			best = c;
+			best_seq = h.seq;
+		}
+	}
+	return best;
+}
+
+/* Read the slots of one extent into the state's vectors. */
+static int read_extent(const unsigned char *base, const jextent *e, uint64_t seq, jvec v[T_COUNT],
+		       jcommit *seen, char *err, size_t len)
+{
+	uint32_t copy = e->cls == CLASS_BIG ? BIG_COPY : SMALL_COPY;
+	for (uint32_t i = 0; i < e->nslots; i++) {
+		const unsigned char *c =
+			pick_copy(base + (size_t)i * 2 * copy, copy, e->first + i, seq);
+		if (!c)
+			continue;
+		jcopy h;
+		memcpy(&h, c, sizeof(h));
+		if (h.type == T_FREE)
+			continue;
+		bool big = h.type == T_BUFFER;
+		if (h.type >= T_COUNT || big != (e->cls == CLASS_BIG))
+			return set_err(err, len, BB_ERR_PROTOCOL,
+				       "journal: slot %llu holds a record of type %u",
+				       (unsigned long long)(e->first + i), h.type);
+		void *rec = jvec_push(&v[h.type]);
+		if (!rec)
+			return set_err(err, len, BB_ERR_NO_MEMORY, "journal: out of memory");
+		memcpy(rec, c + sizeof(h), v[h.type].size);
+		seen->digest += h.ck;
+		seen->count[h.type]++;
+		if (h.type == T_HOLD)
+			seen->hold_sum += ((journal_hold *)rec)->count;
+		if (big) {
+			journal_buffer *b = rec;
+			if (b->name[BB_NAME_MAX] || b->error[JOURNAL_ERROR_MAX])
+				return set_err(err, len, BB_ERR_PROTOCOL,
+					       "journal: buffer %llu has an unterminated string",
+					       (unsigned long long)b->id);
+		}
+	}
+	return 0;
+}
+
+int journal_read(int fd, journal_state *out, char *err, size_t len)
+{
+	memset(out, 0, sizeof(*out));
+	struct stat st;
+	if (fstat(fd, &st) != 0)
+		return set_err(err, len, BB_ERR_SYSTEM, "journal: fstat: %s", strerror(errno));
+	if (st.st_size < PAGE)
+		return set_err(err, len, BB_ERR_INVALID, "journal: %lld bytes is too short",
+			       (long long)st.st_size);
+	size_t size = (size_t)st.st_size;
+	unsigned char *m = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+	if (m == MAP_FAILED)
+		return set_err(err, len, BB_ERR_SYSTEM, "journal: mmap: %s", strerror(errno));
+	int rc = 0;
+	jvec v[T_COUNT] = {{0}};
+	v[T_BUFFER].size = sizeof(journal_buffer);
+	v[T_SESSION].size = sizeof(journal_session);
+	v[T_HOLD].size = sizeof(journal_hold);
+	v[T_TOKEN].size = sizeof(journal_token);
+	v[T_FREE].size = 1;
+
+	jheader h;
+	memcpy(&h, m, sizeof(h));
+	if (h.magic != JOURNAL_MAGIC || h.ck != header_ck(&h)) {
+		rc = set_err(err, len, BB_ERR_INVALID, "journal: not a journal (bad header)");
+		goto out;
+	}
+	if (h.version != JOURNAL_VERSION || h.big_copy != BIG_COPY || h.small_copy != SMALL_COPY) {
+		rc = set_err(err, len, BB_ERR_INVALID, "journal: version %u is not %u", h.version,
+			     JOURNAL_VERSION);
+		goto out;
+	}
+	jcommit commit = {0};
+	for (int i = 0; i < 2; i++) {
+		jcommit c;
+		memcpy(&c, m + COMMIT_OFF + i * COMMIT_COPY, sizeof(c));
+		if (c.seq && c.ck == commit_ck(&c) && c.seq > commit.seq)
+			commit = c;
+	}
+	if (!commit.seq) {
+		rc = set_err(err, len, BB_ERR_PROTOCOL, "journal: no valid commit record");
+		goto out;
+	}
+	jcommit seen = {0};
+	uint64_t first[2] = {0, 0};
+	for (uint32_t i = 0; i < JOURNAL_EXTENTS; i++) {
+		jextent e;
+		memcpy(&e, m + EXTENT_TABLE_OFF + i * sizeof(e), sizeof(e));
+		/* Entries are written in order, each before its slots are used: the
+		 * first invalid one ends the table (a torn last entry has no
+		 * records; a corrupted earlier one loses records, which the digest
+		 * finds). */
+		if (e.ck != extent_ck(&e) || e.cls > CLASS_SMALL || !e.nslots || e.offset % PAGE ||
+		    e.first != first[e.cls])
+			break;
+		size_t bytes = (size_t)e.nslots * 2 * (e.cls == CLASS_BIG ? BIG_COPY : SMALL_COPY);
+		if (e.offset < PAGE || e.offset > size || bytes > size - e.offset)
+			break;
+		first[e.cls] += e.nslots;
+		rc = read_extent(m + e.offset, &e, commit.seq, v, &seen, err, len);
+		if (rc)
+			goto out;
+	}
+	bool counts_ok = seen.hold_sum == commit.hold_sum;
+	for (int t = T_BUFFER; t < T_COUNT; t++)
+		counts_ok = counts_ok && seen.count[t] == commit.count[t];
+	if (seen.digest != commit.digest || !counts_ok) {
+		rc = set_err(err, len, BB_ERR_PROTOCOL,
+			     "journal: the records do not match commit %llu (%llu buffers, %llu "
+			     "sessions, %llu holds, %llu tokens found; %llu, %llu, %llu, %llu "
+			     "committed): a record is lost or stale",
+			     (unsigned long long)commit.seq,
+			     (unsigned long long)seen.count[T_BUFFER],
+			     (unsigned long long)seen.count[T_SESSION],
+			     (unsigned long long)seen.count[T_HOLD],
+			     (unsigned long long)seen.count[T_TOKEN],
+			     (unsigned long long)commit.count[T_BUFFER],
+			     (unsigned long long)commit.count[T_SESSION],
+			     (unsigned long long)commit.count[T_HOLD],
+			     (unsigned long long)commit.count[T_TOKEN]);
+		goto out;
+	}
+	int (*cmp[T_COUNT])(const void *, const void *) = {
+		[T_BUFFER] = cmp_buffer,
+		[T_SESSION] = cmp_session,
+		[T_HOLD] = cmp_hold,
+		[T_TOKEN] = cmp_token,
+	};
+	for (int t = T_BUFFER; t < T_COUNT; t++)
+		if (v[t].n) /* items is NULL when empty, which qsort may not take */
+			qsort(v[t].items, v[t].n, v[t].size, cmp[t]);
+	out->seq = commit.seq;
+	out->ids.next_buffer = commit.next_buffer;
+	out->ids.next_session = commit.next_session;
+	out->buffers = v[T_BUFFER].items;
+	out->n_buffers = v[T_BUFFER].n;
+	out->sessions = v[T_SESSION].items;
+	out->n_sessions = v[T_SESSION].n;
+	out->holds = v[T_HOLD].items;
+	out->n_holds = v[T_HOLD].n;
+	out->tokens = v[T_TOKEN].items;
+	out->n_tokens = v[T_TOKEN].n;
+	munmap(m, size);
+	return 0;
+out:
+	for (int t = 0; t < T_COUNT; t++)
+		free(v[t].items);
+	munmap(m, size);
+	return rc;
+}
+
+void journal_state_free(journal_state *s)
+{
+	free(s->buffers);
+	free(s->sessions);
+	free(s->holds);
+	free(s->tokens);
+	memset(s, 0, sizeof(*s));
+}
+
+/* ---- the checker --------------------------------------------------------- */
+
+typedef struct jreport {
+	char *buf;
+	size_t len, used;
+	int problems;
+} jreport;
+
+static void problem(jreport *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void problem(jreport *r, const char *fmt, ...)
+{
+	r->problems++;
+	if (r->used + 2 > r->len)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(r->buf + r->used, r->len - r->used - 1, fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		return;
+	r->used += (size_t)n < r->len - r->used - 1 ? (size_t)n : r->len - r->used - 2;
+	r->buf[r->used++] = '\n';
+	r->buf[r->used] = '\0';
+}
+
+static const journal_buffer *find_buffer(const journal_state *s, uint64_t id)
+{
+	journal_buffer key = {.id = id};
+	if (!s->n_buffers)
+		return NULL; /* buffers may be NULL, which bsearch may not take */
+	return bsearch(&key, s->buffers, s->n_buffers, sizeof(key), cmp_buffer);
+}
+
+static bool has_session(const journal_state *s, uint64_t id)
+{
+	journal_session key = {.id = id};
+	if (!s->n_sessions)
+		return false;
+	return bsearch(&key, s->sessions, s->n_sessions, sizeof(key), cmp_session) != NULL;
+}
+
+static int cmp_name(const void *a, const void *b)
+{
+	return strcmp((*(const journal_buffer *const *)a)->name,
+		      (*(const journal_buffer *const *)b)->name);
+}
+
+int journal_check(const journal_state *s, char *report, size_t len)
+{
+	jreport r = {.buf = report, .len = len};
+	if (len)
+		report[0] = '\0';
+	/* References per buffer (index in s->buffers), and the named buffers. */
+	uint64_t *refs = calloc(s->n_buffers ? s->n_buffers : 1, sizeof(*refs));
+	const journal_buffer **named = calloc(s->n_buffers ? s->n_buffers : 1, sizeof(*named));
+	if (!refs || !named) {
+		free(refs);
+		free(named);
+		problem(&r, "check: out of memory");
+		return r.problems;
+	}
+	size_t n_named = 0;
+	for (size_t i = 0; i < s->n_buffers; i++) {
+		const journal_buffer *b = &s->buffers[i];
+		if (!b->id || b->id >= s->ids.next_buffer)
+			problem(&r, "buffer %llu: id not below the next id %llu (would be reused)",
+				(unsigned long long)b->id, (unsigned long long)s->ids.next_buffer);
+		if (i && b->id == s->buffers[i - 1].id)
+			problem(&r, "buffer %llu: two records", (unsigned long long)b->id);
+		if (b->kind != BB_HOST && b->kind != BB_CUDA)
+			problem(&r, "buffer %llu: kind %u", (unsigned long long)b->id, b->kind);
+		if (b->state > BB_FAILED)
+			problem(&r, "buffer %llu: state %u", (unsigned long long)b->id, b->state);
+		if (b->share > BB_SHARE_ANY)
+			problem(&r, "buffer %llu: share %u", (unsigned long long)b->id, b->share);
+		if (!b->size)
+			problem(&r, "buffer %llu: size 0", (unsigned long long)b->id);
+		if (b->producer && !has_session(s, b->producer))
+			problem(&r, "buffer %llu: producer session %llu is unknown",
+				(unsigned long long)b->id, (unsigned long long)b->producer);
+		if (b->name[0])
+			named[n_named++] = b;
+	}
+	qsort(named, n_named, sizeof(*named), cmp_name);
+	for (size_t i = 1; i < n_named; i++)
+		if (!strcmp(named[i]->name, named[i - 1]->name))
+			problem(&r, "buffers %llu and %llu: both named \"%s\"",
+				(unsigned long long)named[i - 1]->id,
+				(unsigned long long)named[i]->id, named[i]->name);
+	for (size_t i = 0; i < s->n_sessions; i++) {
+		const journal_session *x = &s->sessions[i];
+		if (!x->id || x->id >= s->ids.next_session)
+			problem(&r, "session %llu: id not below the next id %llu (would be reused)",
+				(unsigned long long)x->id, (unsigned long long)s->ids.next_session);
+		if (i && x->id == s->sessions[i - 1].id)
+			problem(&r, "session %llu: two records", (unsigned long long)x->id);
+	}
+	for (size_t i = 0; i < s->n_holds; i++) {
+		const journal_hold *h = &s->holds[i];
+		const journal_buffer *b = find_buffer(s, h->buffer);
+		if (!b)
+			problem(&r, "hold of session %llu: buffer %llu is unknown",
+				(unsigned long long)h->session, (unsigned long long)h->buffer);
+		else
+			refs[b - s->buffers] += h->count;
+		if (!has_session(s, h->session))
+			problem(&r, "hold on buffer %llu: session %llu is unknown",
+				(unsigned long long)h->buffer, (unsigned long long)h->session);
+		if (!h->count)
+			problem(&r, "hold of session %llu on buffer %llu: count 0",
+				(unsigned long long)h->session, (unsigned long long)h->buffer);
+		if (i && !cmp_hold(h, h - 1))
+			problem(&r, "session %llu: two holds on buffer %llu",
+				(unsigned long long)h->session, (unsigned long long)h->buffer);
+	}
+	for (size_t i = 0; i < s->n_tokens; i++) {
+		const journal_token *t = &s->tokens[i];
+		const journal_buffer *b = find_buffer(s, t->buffer);
+		if (!b)
+			problem(&r, "token: buffer %llu is unknown", (unsigned long long)t->buffer);
+		else
+			refs[b - s->buffers]++;
+		if (t->session && !has_session(s, t->session))
+			problem(&r, "token on buffer %llu: session %llu is unknown",
+				(unsigned long long)t->buffer, (unsigned long long)t->session);
+		if (i && !cmp_token(t, t - 1))
+			problem(&r, "token on buffer %llu: two records",
+				(unsigned long long)t->buffer);
+	}
+	for (size_t i = 0; i < s->n_buffers; i++)
+		if (!refs[i])
+			problem(&r, "buffer %llu: no reference (no hold, no token) but not freed",
+				(unsigned long long)s->buffers[i].id);
+	free(refs);
+	free(named);
+	return r.problems;
+}
