@@ -7,6 +7,7 @@
 #include "size.h"
 #include "broker.h"
 #include "idmap.h"
+#include "journal.h"
 #include "utf8.h"
 #include "wire.h"
 
@@ -59,6 +60,7 @@ typedef struct token {
 	struct token *prev, *next;          /* broker's FIFO, oldest first */
 	struct token *mprev, *mnext;        /* maker's list */
 	UT_hash_handle hh;                  /* in broker.tokens */
+	uint32_t jslot;                     /* its journal record's slot */
 } token;
 
 /* The daemon keeps one per live buffer, tens of thousands at a time, so
@@ -87,6 +89,7 @@ struct broker_buf {
 	uint8_t state;             /* bb_state: PENDING until SetReady/SetError */
 	uint8_t share;             /* BB_SHARE_* */
 	uint8_t cuda_handle;       /* bb_cuda_handle: LEGACY or VMM; 0 for host */
+	uint32_t jslot;            /* its journal record's slot (journal on) */
 };
 
 _Static_assert(offsetof(struct broker_buf, id) == 0,
@@ -124,6 +127,13 @@ struct broker_conn {
 	uint32_t nwaits;              /* length of waiters */
 	uint64_t opened_ms;           /* when it opened, for its age */
 	broker_conn *prev, *next;     /* broker.conns */
+	broker *broker;               /* the broker it belongs to */
+	uint64_t session;             /* its session id (journal records) */
+	uint64_t last_request;        /* requests up to this id are applied */
+	uint64_t applied_mask;        /* bit i: request last_request + 1 + i applied */
+	uint64_t noted_request;       /* broker_conn_note_request's id, 0: none */
+	idmap jholds;                 /* journal on: item a held buffer, value its hold's slot */
+	uint32_t jslot;               /* its session record's slot */
 };
 
 struct broker {
@@ -147,6 +157,10 @@ struct broker {
 	uint64_t refused[BROKER_LIMIT_COUNT];       /* requests each limit refused */
 	uint64_t cuda_buffers[BROKER_CUDA_HANDLES]; /* live CUDA buffers per handle kind */
 	uint64_t cuda_bytes[BROKER_CUDA_HANDLES];   /* ... their bytes */
+	journal *j;                                 /* cfg.journal: NULL when off */
+	bool jopen;                                 /* a transaction is begun */
+	uint64_t jerrors;                           /* puts the journal refused */
+	uint64_t next_session;                      /* next session id */
 };
 
 static int fail(broker_error *err, int code, const char *fmt, ...)
@@ -247,6 +261,8 @@ broker *broker_new(const broker_config *cfg)
 		b->cfg.random = default_random;
 	b->limits = b->cfg.limits;
 	b->next_id = 1;
+	b->next_session = 1;
+	b->j = b->cfg.journal;
 	for (int k = 0; k < BROKER_KINDS; k++)
 		snprintf(b->why[k], sizeof(b->why[k]), "buffers of kind %s are not supported",
 			 bb_kind_name(k));
@@ -327,6 +343,140 @@ static void wake_all(broker *b, broker_buf *buf, int code)
 	}
 }
 
+/* ---- journal (docs/RESTART.md, "Wiring the journal into the daemon") ------- */
+
+/* Every helper is called only when b->j is set; the transaction begins at
+ * the first put of a public call and is committed by jend as it returns. */
+static void jbegin(broker *b)
+{
+	if (!b->jopen) {
+		journal_begin(b->j);
+		b->jopen = true;
+	}
+}
+
+static void jcheck(broker *b, int rc)
+{
+	if (rc)
+		b->jerrors++;
+}
+
+static void jput_buf(broker *b, broker_buf *buf)
+{
+	journal_buffer r = {
+		.id = buf->id,
+		.size = buf->size,
+		.producer = buf->producer ? buf->producer->session : 0,
+		.kind = buf->kind,
+		.device = buf->device,
+		.cuda_handle = buf->cuda_handle,
+		.state = buf->state,
+		.owner_uid = buf->owner_uid,
+		.owner_gid = buf->owner_gid,
+		.share = buf->share,
+	};
+	if (buf->name)
+		snprintf(r.name, sizeof(r.name), "%s", buf->name->text);
+	if (buf->state == BB_FAILED)
+		snprintf(r.error, sizeof(r.error), "%s", buf_error(buf));
+	jbegin(b);
+	jcheck(b, journal_put_buffer(b->j, &buf->jslot, &r));
+}
+
+static void jdrop_buf(broker *b, broker_buf *buf)
+{
+	jbegin(b);
+	journal_drop(b->j, &buf->jslot, true);
+}
+
+static void jput_session(broker *b, broker_conn *conn)
+{
+	journal_session r = {
+		.id = conn->session,
+		.last_request = conn->last_request,
+		.applied_mask = conn->applied_mask,
+		.uid = conn->uid,
+		.gid = conn->gid,
+		.pid = conn->pid,
+		.minor = conn->minor,
+	};
+	jbegin(b);
+	jcheck(b, journal_put_session(b->j, &conn->jslot, &r));
+}
+
+/* conn's count on buf is now count (0: the hold is gone). */
+static void jput_hold(broker *b, broker_conn *conn, broker_buf *buf, uint32_t count)
+{
+	jbegin(b);
+	idmap_slot *s = idmap_find(&conn->jholds, buf->id);
+	if (count == 0) {
+		if (s) {
+			uint32_t slot = s->value;
+			journal_drop(b->j, &slot, false);
+			idmap_remove(&conn->jholds, s);
+		}
+		return;
+	}
+	uint32_t slot = s ? s->value : JOURNAL_NO_SLOT;
+	journal_hold r = {.session = conn->session, .buffer = buf->id, .count = count};
+	int rc = journal_put_hold(b->j, &slot, &r);
+	if (!rc && !s && (rc = idmap_insert(&conn->jholds, buf, slot)))
+		journal_drop(b->j, &slot, false);
+	jcheck(b, rc);
+}
+
+static void jput_token(broker *b, token *t)
+{
+	journal_token r = {
+		.buffer = t->buf->id,
+		.session = t->maker ? t->maker->session : 0,
+		.deadline_ms = t->expires_ms,
+		.maker_uid = t->maker_uid,
+	};
+	memcpy(r.token, t->bytes, sizeof(r.token));
+	jbegin(b);
+	jcheck(b, journal_put_token(b->j, &t->jslot, &r));
+}
+
+/* Request id of conn applied: the floor and the mask of ids above it. */
+static void applied(broker_conn *conn, uint64_t id)
+{
+	if (id <= conn->last_request)
+		return;
+	uint64_t ahead = id - conn->last_request - 1;
+	if (ahead >= 64)
+		return; /* refused before it reaches the broker (increment 4) */
+	conn->applied_mask |= 1ull << ahead;
+	while (conn->applied_mask & 1) {
+		conn->last_request++;
+		conn->applied_mask >>= 1;
+	}
+}
+
+/* The end of a public call that may change state: the request conn noted
+ * (if any) is applied in the same transaction as its effect. */
+static void jend_slow(broker *b, broker_conn *conn)
+{
+	if (conn && conn->noted_request) {
+		applied(conn, conn->noted_request);
+		conn->noted_request = 0;
+		jput_session(b, conn);
+	}
+	if (!b->jopen)
+		return;
+	journal_ids ids = {.next_buffer = b->next_id, .next_session = b->next_session};
+	journal_set_ids(b->j, &ids);
+	journal_commit(b->j);
+	b->jopen = false;
+}
+
+/* The one branch a mutation pays with the journal off. */
+#define JEND(b, conn)                                    \
+	do {                                             \
+		if (__builtin_expect((b)->j != NULL, 0)) \
+			jend_slow(b, conn);              \
+	} while (0)
+
 /* Leave PENDING: into READY or FAILED, waking waiters. */
 static void settle(broker *b, broker_buf *buf, bb_state state, const char *error)
 {
@@ -343,12 +493,16 @@ static void settle(broker *b, broker_buf *buf, bb_state state, const char *error
 		DL_DELETE2(buf->producer->produced, buf, pprev, pnext);
 		buf->producer = NULL;
 	}
+	if (b->j)
+		jput_buf(b, buf);
 	wake_all(b, buf, 0);
 }
 
 /* refs reached 0: give the memory back and forget the buffer. */
 static void destroy(broker *b, broker_buf *buf)
 {
+	if (b->j)
+		jdrop_buf(b, buf);
 	wake_all(b, buf, BB_ERR_NOT_FOUND);
 	if (buf->producer)
 		DL_DELETE2(buf->producer->produced, buf, pprev, pnext);
@@ -442,6 +596,8 @@ static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *he
 				conn_allocation_add(conn, alloc, -1);
 			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
 		}
+		if (conn->broker->j)
+			jput_hold(conn->broker, conn, buf, count);
 		if (held)
 			*held = count;
 		return 0;
@@ -450,6 +606,8 @@ static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *he
 		return fail(err, BB_ERR_INVALID,
 			    "buffer %" PRIu64 ": the connection's count would overflow", buf->id);
 	h->value += count;
+	if (conn->broker->j)
+		jput_hold(conn->broker, conn, buf, h->value);
 	if (held)
 		*held = h->value;
 	return 0;
@@ -460,6 +618,8 @@ static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *he
 static void unhold(broker_conn *conn, idmap_slot *h, uint32_t count)
 {
 	h->value -= count;
+	if (conn->broker->j)
+		jput_hold(conn->broker, conn, h->item, h->value);
 	if (h->value == 0) {
 		uint64_t alloc = fd_allocation(h->item);
 		if (alloc)
@@ -530,8 +690,8 @@ static int check_name(const char *name, broker_error *err)
 	return 0;
 }
 
-int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, broker_buf **out,
-		 broker_error *err)
+static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, broker_buf **out,
+		    broker_error *err)
 {
 	const char *name = req->name && req->name[0] ? req->name : NULL;
 	char h1[32], h2[32];
@@ -625,6 +785,7 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 		goto err_usage;
 	}
 
+	buf->jslot = JOURNAL_NO_SLOT;
 	buf->id = b->next_id++;
 	buf->size = req->size;
 	buf->kind = req->kind;
@@ -656,6 +817,8 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 	b->bytes[buf->kind] += buf->size;
 	b->cuda_buffers[buf->cuda_handle]++;
 	b->cuda_bytes[buf->cuda_handle] += buf->size;
+	if (b->j)
+		jput_buf(b, buf);
 	*out = buf;
 	return 0;
 
@@ -674,7 +837,8 @@ err_buf:
 	return rc;
 }
 
-int broker_open_id(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, broker_error *err)
+static int open_id_op(broker *b, broker_conn *conn, uint64_t id, broker_buf **out,
+		      broker_error *err)
 {
 	broker_buf *buf = NULL;
 	int rc = reach(b, conn, id, &buf, err);
@@ -703,8 +867,8 @@ int broker_open_name(broker *b, broker_conn *conn, const char *name, broker_buf 
 	return broker_open_id(b, conn, buf->id, out, err);
 }
 
-int broker_retain(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
-		  uint32_t *held_out, broker_error *err)
+static int retain_op(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
+		     uint32_t *held_out, broker_error *err)
 {
 	broker_buf *buf = NULL;
 	int rc;
@@ -720,8 +884,8 @@ int broker_retain(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uin
 	return 0;
 }
 
-int broker_release(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
-		   uint32_t *held_out, broker_error *err)
+static int release_op(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
+		      uint32_t *held_out, broker_error *err)
 {
 	if (count == 0)
 		return fail(err, BB_ERR_INVALID, "release count must be at least 1");
@@ -759,6 +923,10 @@ static void token_forget(broker *b, token *t)
 		HASH_DELETE(hh, b->uid_tokens, ut);
 		free(ut);
 	}
+	if (b->j) {
+		jbegin(b);
+		journal_drop(b->j, &t->jslot, false);
+	}
 	HASH_DELETE(hh, b->tokens, t);
 	DL_DELETE(b->token_fifo, t);
 	if (t->maker) {
@@ -770,8 +938,8 @@ static void token_forget(broker *b, token *t)
 	free(t);
 }
 
-int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
-		unsigned char out[BB_TOKEN_SIZE], broker_error *err)
+static int take_op(broker *b, broker_conn *conn, uint64_t id, bool retain,
+		   unsigned char out[BB_TOKEN_SIZE], broker_error *err)
 {
 	idmap_slot *h = find_holding(conn, id);
 	if (!h)
@@ -801,6 +969,8 @@ int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 		HASH_ADD(hh, b->uid_tokens, uid, sizeof(ut->uid), ut);
 	}
 	token *t = calloc(1, sizeof(*t));
+	if (t)
+		t->jslot = JOURNAL_NO_SLOT;
 	if (!t) {
 		if (ut->tokens == 0) {
 			HASH_DELETE(hh, b->uid_tokens, ut);
@@ -832,12 +1002,14 @@ int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 		buf->refs++;
 	else
 		unhold(conn, h, 1); /* the reference moves; refs unchanged */
+	if (b->j)
+		jput_token(b, t);
 	memcpy(out, t->bytes, sizeof(t->bytes));
 	return 0;
 }
 
-int broker_adopt(broker *b, broker_conn *conn, const unsigned char tok[BB_TOKEN_SIZE],
-		 broker_buf **out, broker_error *err)
+static int adopt_op(broker *b, broker_conn *conn, const unsigned char tok[BB_TOKEN_SIZE],
+		    broker_buf **out, broker_error *err)
 {
 	token *t;
 	HASH_FIND(hh, b->tokens, tok, BB_TOKEN_SIZE, t);
@@ -860,7 +1032,7 @@ int broker_adopt(broker *b, broker_conn *conn, const unsigned char tok[BB_TOKEN_
 	return 0;
 }
 
-uint64_t broker_expire_tokens(broker *b)
+static uint64_t expire_tokens_op(broker *b)
 {
 	uint64_t t_now = now(b);
 	while (b->token_fifo) {
@@ -895,7 +1067,7 @@ static int settle_check(broker *b, broker_conn *conn, uint64_t id, broker_buf **
 	return 0;
 }
 
-int broker_set_ready(broker *b, broker_conn *conn, uint64_t id, broker_error *err)
+static int set_ready_op(broker *b, broker_conn *conn, uint64_t id, broker_error *err)
 {
 	broker_buf *buf = NULL;
 	int rc = settle_check(b, conn, id, &buf, err);
@@ -905,8 +1077,8 @@ int broker_set_ready(broker *b, broker_conn *conn, uint64_t id, broker_error *er
 	return 0;
 }
 
-int broker_set_error(broker *b, broker_conn *conn, uint64_t id, const char *message,
-		     broker_error *err)
+static int set_error_op(broker *b, broker_conn *conn, uint64_t id, const char *message,
+			broker_error *err)
 {
 	broker_buf *buf = NULL;
 	int rc = settle_check(b, conn, id, &buf, err);
@@ -977,8 +1149,14 @@ broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pi
 	conn->pid = pid;
 	conn->minor = BB_PROTO_MINOR;
 	conn->opened_ms = now(b);
+	conn->broker = b;
+	conn->session = b->next_session++;
+	conn->jslot = JOURNAL_NO_SLOT;
 	DL_APPEND(b->conns, conn);
 	b->nconns++;
+	if (b->j)
+		jput_session(b, conn);
+	JEND(b, NULL);
 	return conn;
 }
 
@@ -999,19 +1177,30 @@ void broker_conn_close(broker *b, broker_conn *conn)
 	{
 		DL_DELETE2(conn->tokens, t, mprev, mnext);
 		t->maker = NULL;
+		if (b->j)
+			jput_token(b, t);
 	}
 
 	/* Take the holdings off conn first: while the counts drop and buffers
 	 * go, conn holds nothing rather than entries that point at them. */
 	idmap held = conn->holdings;
 	conn->holdings = (idmap){0};
-	for (idmap_slot *h = idmap_next(&held, NULL); h; h = idmap_next(&held, h))
+	for (idmap_slot *h = idmap_next(&held, NULL); h; h = idmap_next(&held, h)) {
+		if (b->j)
+			jput_hold(b, conn, h->item, 0);
 		drop_refs(b, h->item, h->value);
+	}
 	idmap_free(&held);
+	if (b->j) {
+		jbegin(b);
+		journal_drop(b->j, &conn->jslot, false);
+		idmap_free(&conn->jholds);
+	}
 	conn_allocations_free(conn);
 	DL_DELETE(b->conns, conn);
 	b->nconns--;
 	free(conn);
+	JEND(b, NULL);
 }
 
 uint32_t broker_conn_uid(const broker_conn *conn)
@@ -1022,6 +1211,10 @@ uint32_t broker_conn_uid(const broker_conn *conn)
 void broker_conn_set_minor(broker_conn *conn, uint32_t minor)
 {
 	conn->minor = minor;
+	if (conn->broker->j) {
+		jput_session(conn->broker, conn);
+		jend_slow(conn->broker, NULL);
+	}
 }
 
 uint32_t broker_conn_allocation_buffers(const broker_conn *conn, uint64_t allocation)
@@ -1533,6 +1726,8 @@ out:
 
 void broker_free(broker *b)
 {
+	if (b)
+		b->j = NULL; /* freeing is no state change: the journal keeps the last state */
 	if (!b)
 		return;
 	/* Connections first: their waiters and holdings go, and buffers that
@@ -1566,4 +1761,328 @@ void broker_free(broker *b)
 		free(ut);
 	}
 	free(b);
+}
+
+/* ---- the public mutators: one journal transaction each ------------------- */
+
+int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, broker_buf **out,
+		 broker_error *err)
+{
+	int rc = alloc_op(b, conn, req, out, err);
+	JEND(b, conn);
+	return rc;
+}
+
+int broker_open_id(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, broker_error *err)
+{
+	int rc = open_id_op(b, conn, id, out, err);
+	JEND(b, conn);
+	return rc;
+}
+
+int broker_retain(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
+		  uint32_t *held_out, broker_error *err)
+{
+	int rc = retain_op(b, conn, id, count, refs_out, held_out, err);
+	JEND(b, conn);
+	return rc;
+}
+
+int broker_release(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
+		   uint32_t *held_out, broker_error *err)
+{
+	int rc = release_op(b, conn, id, count, refs_out, held_out, err);
+	JEND(b, conn);
+	return rc;
+}
+
+int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
+		unsigned char out[BB_TOKEN_SIZE], broker_error *err)
+{
+	int rc = take_op(b, conn, id, retain, out, err);
+	JEND(b, conn);
+	return rc;
+}
+
+int broker_adopt(broker *b, broker_conn *conn, const unsigned char tok[BB_TOKEN_SIZE],
+		 broker_buf **out, broker_error *err)
+{
+	int rc = adopt_op(b, conn, tok, out, err);
+	JEND(b, conn);
+	return rc;
+}
+
+int broker_set_ready(broker *b, broker_conn *conn, uint64_t id, broker_error *err)
+{
+	int rc = set_ready_op(b, conn, id, err);
+	JEND(b, conn);
+	return rc;
+}
+
+int broker_set_error(broker *b, broker_conn *conn, uint64_t id, const char *message,
+		     broker_error *err)
+{
+	int rc = set_error_op(b, conn, id, message, err);
+	JEND(b, conn);
+	return rc;
+}
+
+uint64_t broker_expire_tokens(broker *b)
+{
+	uint64_t next = expire_tokens_op(b);
+	JEND(b, NULL);
+	return next;
+}
+
+void broker_conn_note_request(broker_conn *conn, uint64_t id)
+{
+	conn->noted_request = id;
+}
+
+uint64_t broker_journal_errors(const broker *b)
+{
+	return b->jerrors;
+}
+
+/* ---- restore from a journal ------------------------------------------------- */
+
+static int compare_session_id(const void *key, const void *item)
+{
+	uint64_t id = *(const uint64_t *)key;
+	uint64_t other = ((const journal_session *)item)->id;
+	return id < other ? -1 : id > other;
+}
+
+static int compare_token_deadline(const void *x, const void *y)
+{
+	const journal_token *a = x, *c = y;
+	return a->deadline_ms < c->deadline_ms ? -1 : a->deadline_ms > c->deadline_ms;
+}
+
+/* The connection of restored session id (conns[i] is sessions[i]'s). */
+static broker_conn *restored_conn(const journal_state *s, broker_conn **conns, uint64_t id)
+{
+	const journal_session *r =
+		bsearch(&id, s->sessions, s->n_sessions, sizeof(*s->sessions), compare_session_id);
+	return r ? conns[r - s->sessions] : NULL;
+}
+
+static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *producer,
+			  broker_restore_mem mem, void *ctx, broker_error *err)
+{
+	backend *be = r->kind < BROKER_KINDS ? b->be[r->kind] : NULL;
+	if (!be)
+		return fail(err, BB_ERR_UNSUPPORTED, "buffer %" PRIu64 ": no backend for its kind",
+			    r->id);
+	broker_buf *buf = calloc(1, sizeof(*buf));
+	if (!buf)
+		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	if (r->name[0]) {
+		size_t len = strlen(r->name);
+		if (!(buf->name = calloc(1, sizeof(*buf->name) + len + 1))) {
+			free(buf);
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		}
+		buf->name->buf = buf;
+		memcpy(buf->name->text, r->name, len + 1);
+	}
+	uid_usage *u = usage_of(b, r->owner_uid, true);
+	char msg[BROKER_ERR_LEN] = "";
+	int rc = u ? mem(ctx, be, r, &buf->mem, msg, sizeof(msg)) : BB_ERR_NO_MEMORY;
+	if (rc) {
+		fail(err, rc, "buffer %" PRIu64 ": %s", r->id, msg[0] ? msg : "no memory for it");
+		free(buf->name);
+		free(buf);
+		return rc;
+	}
+	buf->id = r->id;
+	buf->size = r->size;
+	buf->kind = (uint8_t)r->kind;
+	buf->device = r->device;
+	buf->state = (uint8_t)r->state;
+	buf->owner_uid = r->owner_uid;
+	buf->owner_gid = r->owner_gid;
+	buf->share = (uint8_t)r->share;
+	buf->cuda_handle = (uint8_t)r->cuda_handle;
+	buf->created_ms = now(b);
+	buf->be = be;
+	buf->jslot = JOURNAL_NO_SLOT;
+	if (r->state == BB_FAILED && !(buf->error = strdup(r->error)))
+		buf->error = error_unstored;
+	if (idmap_insert(&b->by_id, buf, 0)) {
+		be->free(be, &buf->mem);
+		if (buf->error != error_unstored)
+			free(buf->error);
+		free(buf->name);
+		free(buf);
+		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	}
+	if (buf->name)
+		HASH_ADD_KEYPTR(hh, b->by_name, buf->name->text, strlen(buf->name->text),
+				buf->name);
+	if (producer && buf->state == BB_PENDING) {
+		buf->producer = producer;
+		DL_APPEND2(producer->produced, buf, pprev, pnext);
+	}
+	u->buffers++;
+	u->bytes[buf->kind] += buf->size;
+	b->buffers[buf->kind]++;
+	b->bytes[buf->kind] += buf->size;
+	b->cuda_buffers[buf->cuda_handle]++;
+	b->cuda_bytes[buf->cuda_handle] += buf->size;
+	return 0;
+}
+
+static int restore_token(broker *b, const journal_token *r, broker_conn *maker, broker_error *err)
+{
+	broker_buf *buf = find_buf(b, r->buffer);
+	uid_tokens *ut;
+	HASH_FIND(hh, b->uid_tokens, &r->maker_uid, sizeof(r->maker_uid), ut);
+	if (!ut) {
+		if (!(ut = calloc(1, sizeof(*ut))))
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		ut->uid = r->maker_uid;
+		HASH_ADD(hh, b->uid_tokens, uid, sizeof(ut->uid), ut);
+	}
+	token *t = calloc(1, sizeof(*t));
+	if (!t)
+		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	memcpy(t->bytes, r->token, sizeof(t->bytes));
+	t->buf = buf;
+	t->maker = maker;
+	t->maker_uid = r->maker_uid;
+	t->expires_ms = r->deadline_ms;
+	t->jslot = JOURNAL_NO_SLOT;
+	ut->tokens++;
+	HASH_ADD(hh, b->tokens, bytes, sizeof(t->bytes), t);
+	DL_APPEND(b->token_fifo, t);
+	if (maker) {
+		DL_APPEND2(maker->tokens, t, mprev, mnext);
+		maker->ntokens++;
+	}
+	buf->tokens++;
+	buf->refs++;
+	b->ntokens++;
+	return 0;
+}
+
+/* With b's journal on: the whole of b in one transaction. */
+static void journal_everything(broker *b)
+{
+	broker_conn *conn;
+	DL_FOREACH (b->conns, conn) {
+		jput_session(b, conn);
+		for (idmap_slot *h = idmap_next(&conn->holdings, NULL); h;
+		     h = idmap_next(&conn->holdings, h))
+			jput_hold(b, conn, h->item, h->value);
+	}
+	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s))
+		jput_buf(b, s->item);
+	token *t;
+	DL_FOREACH (b->token_fifo, t)
+		jput_token(b, t);
+	jend_slow(b, NULL);
+}
+
+static int restore_state(broker *b, const journal_state *s, broker_conn **conns,
+			 broker_restore_mem mem, void *ctx, broker_error *err)
+{
+	int rc;
+	for (size_t i = 0; i < s->n_sessions; i++) {
+		const journal_session *r = &s->sessions[i];
+		broker_conn *conn = calloc(1, sizeof(*conn));
+		if (!conn)
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		conn->uid = r->uid;
+		conn->gid = r->gid;
+		conn->pid = r->pid;
+		conn->minor = r->minor;
+		conn->opened_ms = now(b);
+		conn->broker = b;
+		conn->session = r->id;
+		conn->last_request = r->last_request;
+		conn->applied_mask = r->applied_mask;
+		conn->jslot = JOURNAL_NO_SLOT;
+		DL_APPEND(b->conns, conn);
+		b->nconns++;
+		conns[i] = conn;
+	}
+	for (size_t i = 0; i < s->n_buffers; i++) {
+		const journal_buffer *r = &s->buffers[i];
+		broker_conn *producer = r->producer ? restored_conn(s, conns, r->producer) : NULL;
+		if ((rc = restore_buffer(b, r, producer, mem, ctx, err)))
+			return rc;
+	}
+	for (size_t i = 0; i < s->n_holds; i++) {
+		const journal_hold *r = &s->holds[i];
+		broker_conn *conn = restored_conn(s, conns, r->session);
+		broker_buf *buf = find_buf(b, r->buffer);
+		uint64_t alloc = fd_allocation(buf);
+		if (alloc && conn_allocation_add(conn, alloc, 1))
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		if (idmap_insert(&conn->holdings, buf, r->count))
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		buf->refs += r->count;
+	}
+	/* The FIFO is oldest first: by deadline, which is creation + TTL. */
+	qsort(s->tokens, s->n_tokens, sizeof(*s->tokens), compare_token_deadline);
+	for (size_t i = 0; i < s->n_tokens; i++) {
+		const journal_token *r = &s->tokens[i];
+		broker_conn *maker = r->session ? restored_conn(s, conns, r->session) : NULL;
+		if ((rc = restore_token(b, r, maker, err)))
+			return rc;
+	}
+	b->next_id = s->ids.next_buffer;
+	b->next_session = s->ids.next_session;
+	return 0;
+}
+
+/* Back to an empty broker after a failed restore, writing nothing. */
+static void restore_undo(broker *b)
+{
+	journal *j = b->j;
+	b->j = NULL;
+	while (b->conns)
+		broker_conn_close(b, b->conns);
+	while (b->token_fifo) {
+		broker_buf *buf = b->token_fifo->buf;
+		token_forget(b, b->token_fifo);
+		drop_refs(b, buf, 1);
+	}
+	/* Buffers no hold or token reached (a failure half way). */
+	idmap_slot *s;
+	while ((s = idmap_next(&b->by_id, NULL)))
+		destroy(b, s->item);
+	b->j = j;
+}
+
+int broker_restore(broker *b, int fd, broker_restore_mem mem, void *ctx, broker_error *err)
+{
+	char msg[BROKER_ERR_LEN];
+	journal_state s;
+	int rc = journal_read(fd, &s, msg, sizeof(msg));
+	if (rc)
+		return fail(err, rc, "the journal is refused: %s", msg);
+	if (journal_check(&s, msg, sizeof(msg))) {
+		journal_state_free(&s);
+		return fail(err, BB_ERR_PROTOCOL, "the journal's state does not hold together: %s",
+			    msg);
+	}
+	broker_conn **conns = calloc(s.n_sessions ? s.n_sessions : 1, sizeof(*conns));
+	if (!conns) {
+		journal_state_free(&s);
+		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	}
+	rc = restore_state(b, &s, conns, mem, ctx, err);
+	free(conns);
+	journal_state_free(&s);
+	if (!rc && broker_check(b, msg, sizeof(msg)))
+		rc = fail(err, BB_ERR_PROTOCOL, "the rebuilt broker does not check: %s", msg);
+	if (rc) {
+		restore_undo(b);
+		return rc;
+	}
+	if (b->j)
+		journal_everything(b);
+	return 0;
 }

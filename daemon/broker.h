@@ -44,6 +44,8 @@
 #define BROKER_KINDS (BB_KIND_COUNT + 1)             /* index by bb_kind; 0 unused */
 #define BROKER_CUDA_HANDLES (BB_CUDA_HANDLE_VMM + 1) /* index by bb_cuda_handle */
 
+struct journal;
+struct journal_buffer;
 typedef struct broker broker;
 typedef struct broker_conn broker_conn;
 typedef struct broker_buf broker_buf;
@@ -70,6 +72,10 @@ typedef struct broker_config {
 	/* Fill n random bytes. NULL: getrandom(2). */
 	void (*random)(void *ctx, unsigned char *buf, size_t n);
 	void *ctx; /* passed to now_ms and random */
+	/* The state journal (docs/RESTART.md), written by every call that
+	 * changes state, one transaction per call; NULL: off (each mutation
+	 * pays one predictable branch). Borrowed: it must outlive the broker. */
+	struct journal *journal;
 } broker_config;
 
 /* A snapshot of one buffer, as Stat and List report it. */
@@ -292,5 +298,30 @@ uint32_t broker_conn_allocation_buffers(const broker_conn *conn, uint64_t alloca
 void broker_buf_info(broker *b, const broker_buf *buf, const broker_conn *conn, broker_info *out);
 /* The export of buf's memory from its backend. */
 int broker_buf_export(broker *b, const broker_buf *buf, backend_export *out, broker_error *err);
+
+/* ---- the state journal (docs/RESTART.md) ---------------------------------- */
+
+/* The id of the request conn is about to apply (the handler, before a
+ * state-changing op): the call's transaction records it as applied together
+ * with its effect. Memory only. */
+void broker_conn_note_request(broker_conn *conn, uint64_t id);
+/* Journal puts refused since broker_new (the journal could not grow): the
+ * journal no longer matches the broker. 0 while it does. */
+uint64_t broker_journal_errors(const broker *b);
+
+/* The memory of a buffer being restored, from its record: 0 and *out, or
+ * an error (the restore fails with it). be is the broker's backend for the
+ * record's kind. */
+typedef int (*broker_restore_mem)(void *ctx, backend *be, const struct journal_buffer *rec,
+				  backend_mem *out, char *err, size_t len);
+
+/* Rebuild b (new: no connection, no buffer; its backends set) from the
+ * state in journal file fd: journal_read, journal_check, then every
+ * session as a connection, every buffer with the memory mem gives, holds
+ * and tokens, the id counters; then broker_check. With b's own journal on,
+ * the whole state is written to it in one transaction. 0, or
+ * BB_ERR_INVALID / BB_ERR_PROTOCOL (not a journal, or a state that does not
+ * hold together: b is left empty) or the error of journal_read or mem. */
+int broker_restore(broker *b, int fd, broker_restore_mem mem, void *ctx, broker_error *err);
 
 #endif /* BB_BROKER_H */

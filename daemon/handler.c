@@ -941,6 +941,24 @@ static void denied_message(const session *c, char *buf, size_t len)
 		 c->uid, c->gid);
 }
 
+/* The ops whose request id the state journal records as applied
+ * (docs/RESTART.md, "Exactly once"). */
+static bool changes_state(Bufbroker__Request__OpCase op)
+{
+	switch (op) {
+	case BUFBROKER__REQUEST__OP_ALLOC:
+	case BUFBROKER__REQUEST__OP_IMPORT_FD:
+	case BUFBROKER__REQUEST__OP_OPEN:
+	case BUFBROKER__REQUEST__OP_RETAIN:
+	case BUFBROKER__REQUEST__OP_RELEASE:
+	case BUFBROKER__REQUEST__OP_TAKE:
+	case BUFBROKER__REQUEST__OP_ADOPT:
+	case BUFBROKER__REQUEST__OP_SET_READY:
+	case BUFBROKER__REQUEST__OP_SET_ERROR: return true;
+	default: return false;
+	}
+}
+
 void handler_request(session *c, const Bufbroker__Request *req, int fd, const char *invalid)
 {
 	req_ctx r = {.c = c, .id = req->id, .quiet = req->no_reply, .opc = req->op_case};
@@ -991,6 +1009,8 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 		return;
 	}
 
+	if (c->bc && changes_state(req->op_case))
+		broker_conn_note_request(c->bc, req->id); /* applied with its effect */
 	switch (req->op_case) {
 	case BUFBROKER__REQUEST__OP_HELLO: do_hello(&r, req->hello); break;
 	case BUFBROKER__REQUEST__OP_ALLOC: {

@@ -1,0 +1,524 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The broker with its state journal on (docs/RESTART.md, "Wiring the
+ * journal into the daemon"): a broker driven by a random workload (sessions
+ * open and close, alloc, open, retain, release, take, adopt, settle, token
+ * expiry) rebuilds from its journal (broker_restore) equal to itself, and
+ * from a copy of the journal taken after any store of a call equal to
+ * itself before or after that call, never anything else. Host buffers on a
+ * counting backend: every restored buffer gets memory, and none is left
+ * when the brokers are freed.
+ */
+#include <criterion/criterion.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "broker.h"
+#include "journal.h"
+
+/* ---- a counting host backend ---------------------------------------------- */
+
+static int live_mems; /* memory the backend handed out and did not get back */
+
+static int count_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
+		       backend_mem *out, char *err, size_t errlen)
+{
+	(void)be, (void)device, (void)uid, (void)share, (void)handle, (void)err, (void)errlen;
+	out->fd = -1;
+	out->size = size;
+	out->priv = malloc(1);
+	live_mems++;
+	return 0;
+}
+
+static void count_free(backend *be, backend_mem *mem)
+{
+	(void)be;
+	free(mem->priv);
+	live_mems--;
+}
+
+static int count_export(backend *be, const backend_mem *mem, backend_export *out, char *err,
+			size_t errlen)
+{
+	(void)be, (void)mem, (void)err, (void)errlen;
+	out->fd = -1;
+	return 0;
+}
+
+static backend host = {
+	.name = "counting",
+	.alloc = count_alloc,
+	.free = count_free,
+	.export_mem = count_export,
+};
+
+/* broker_restore's memory: a fresh block of the record's size. */
+static int restore_mem(void *ctx, backend *be, const journal_buffer *rec, backend_mem *out,
+		       char *err, size_t len)
+{
+	(void)ctx;
+	return count_alloc(be, rec->size, rec->device, rec->owner_uid, (int)rec->share, NULL, out,
+			   err, len);
+}
+
+/* ---- the brokers ---------------------------------------------------------- */
+
+static uint64_t clock_ms = 1000;
+
+static uint64_t fake_now(void *ctx)
+{
+	(void)ctx;
+	return clock_ms;
+}
+
+static void fake_random(void *ctx, unsigned char *buf, size_t n)
+{
+	(void)ctx;
+	for (size_t i = 0; i < n; i++)
+		buf[i] = (unsigned char)rand();
+}
+
+static broker *broker_with(journal *j)
+{
+	broker_config cfg = {.now_ms = fake_now, .random = fake_random, .journal = j};
+	broker_limits_default(&cfg.limits);
+	cfg.limits.token_ttl_ms = 50;
+	broker *b = broker_new(&cfg);
+	cr_assert_not_null(b);
+	broker_set_backend(b, BB_HOST, &host, NULL);
+	return b;
+}
+
+static journal *new_journal(void)
+{
+	journal *j = NULL;
+	char why[256];
+	/* Small first extents: the file grows while the workload runs. */
+	journal_config jc = {.big_slots = 4, .small_slots = 8};
+	cr_assert_eq(journal_create(&jc, &j, why, sizeof(why)), 0, "%s", why);
+	return j;
+}
+
+/* ---- what a broker looks like from outside ---------------------------------- */
+
+typedef struct view {
+	char *text;
+	size_t len, cap;
+} view;
+
+static void view_add(view *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void view_add(view *v, const char *fmt, ...)
+{
+	char line[1024];
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(line, sizeof(line), fmt, ap);
+	va_end(ap);
+	cr_assert(n > 0 && (size_t)n < sizeof(line));
+	if (v->len + (size_t)n + 1 > v->cap) {
+		v->cap = 2 * (v->len + (size_t)n + 1);
+		v->text = realloc(v->text, v->cap);
+		cr_assert_not_null(v->text);
+	}
+	memcpy(v->text + v->len, line, (size_t)n + 1);
+	v->len += (size_t)n;
+}
+
+static int view_buffer(const broker_info *i, void *arg)
+{
+	view_add(arg,
+		 "buffer %" PRIu64 " size %" PRIu64 " kind %d state %d refs %" PRIu64
+		 " tokens %u name \"%s\" error \"%s\" owner %u:%u share %d\n",
+		 i->id, i->size, (int)i->kind, (int)i->state, i->refs, i->tokens, i->name, i->error,
+		 i->owner_uid, i->owner_gid, i->share);
+	return 0;
+}
+
+/* Every buffer as root lists it, and the totals; extra_conns: connections
+ * the caller opened only to look (not counted). root: a root connection of
+ * b that holds nothing. */
+static char *view_of(broker *b, broker_conn *root, uint32_t extra_conns)
+{
+	char report[4096];
+	cr_assert_eq(broker_check(b, report, sizeof(report)), 0, "%s", report);
+	view v = {0};
+	broker_list(b, root, view_buffer, &v);
+	broker_totals t;
+	broker_totals_get(b, &t);
+	view_add(&v,
+		 "host buffers %" PRIu64 " bytes %" PRIu64 " connections %u tokens %" PRIu64 "\n",
+		 t.buffers[BB_HOST], t.bytes[BB_HOST], t.connections - extra_conns, t.tokens);
+	if (!v.text)
+		view_add(&v, "empty\n");
+	return v.text;
+}
+
+/* The view of the broker journal file fd rebuilds, or NULL when refused. */
+static char *view_restored(int fd)
+{
+	broker *r = broker_with(NULL);
+	broker_error err;
+	if (broker_restore(r, fd, restore_mem, NULL, &err)) {
+		broker_free(r);
+		return NULL;
+	}
+	broker_conn *root = broker_conn_open(r, 0, 0, 1, &err);
+	cr_assert_not_null(root, "%s", err.msg);
+	char *v = view_of(r, root, 1);
+	broker_free(r);
+	return v;
+}
+
+/* ---- the workload ------------------------------------------------------------ */
+
+#define CONNS 5
+#define TOKENS 16
+
+typedef struct workload {
+	broker *b;
+	broker_conn *root;        /* uid 0, holds nothing: looks */
+	broker_conn *conn[CONNS]; /* NULL: closed */
+	unsigned char token[TOKENS][BB_TOKEN_SIZE];
+	uint32_t ntokens;
+	uint64_t next_request[CONNS];
+} workload;
+
+static const uint32_t uids[CONNS] = {1000, 1000, 1001, 1002, 0};
+
+static uint64_t some_buffer(workload *w)
+{
+	/* Ids are handed out from 1: a few above the last one miss. */
+	broker_totals t;
+	broker_totals_get(w->b, &t);
+	return 1 + (uint64_t)rand() % (t.buffers[BB_HOST] * 2 + 8);
+}
+
+static void step(workload *w)
+{
+	broker_error err;
+	int i = rand() % CONNS;
+	broker_conn *c = w->conn[i];
+	if (!c) {
+		w->conn[i] = broker_conn_open(w->b, uids[i], uids[i], 100 + (uint32_t)i, &err);
+		cr_assert_not_null(w->conn[i], "%s", err.msg);
+		return;
+	}
+	broker_conn_note_request(c, ++w->next_request[i]);
+	broker_buf *buf;
+	uint64_t id = some_buffer(w);
+	switch (rand() % 12) {
+	case 0:
+		if (rand() % 4 == 0) {
+			broker_conn_close(w->b, c);
+			w->conn[i] = NULL;
+			w->next_request[i] = 0;
+			break;
+		}
+		/* fall through */
+	case 1:
+	case 2: {
+		char name[32];
+		snprintf(name, sizeof(name), "buf-%d", rand() % 20);
+		broker_alloc_req req = {
+			.size = 4096 * (1 + (uint64_t)(rand() % 4)),
+			.kind = BB_HOST,
+			.name = rand() % 3 == 0 ? name : NULL,
+			.share = rand() % 3,
+			.import_fd = -1,
+		};
+		broker_alloc(w->b, c, &req, &buf, &err);
+		break;
+	}
+	case 3: broker_open_id(w->b, c, id, &buf, &err); break;
+	case 4: broker_retain(w->b, c, id, 1 + (uint32_t)(rand() % 3), NULL, NULL, &err); break;
+	case 5:
+	case 6: broker_release(w->b, c, id, 1 + (uint32_t)(rand() % 2), NULL, NULL, &err); break;
+	case 7:
+		if (broker_take(w->b, c, id, rand() % 2, w->token[w->ntokens % TOKENS], &err) == 0)
+			w->ntokens++;
+		break;
+	case 8:
+		if (w->ntokens)
+			broker_adopt(w->b, c, w->token[(uint32_t)rand() % TOKENS], &buf, &err);
+		break;
+	case 9: broker_set_ready(w->b, c, id, &err); break;
+	case 10: broker_set_error(w->b, c, id, rand() % 2 ? "it broke" : "", &err); break;
+	case 11:
+		clock_ms += (uint64_t)(rand() % 30);
+		broker_expire_tokens(w->b);
+		break;
+	}
+}
+
+static void workload_start(workload *w, journal *j)
+{
+	broker_error err;
+	*w = (workload){.b = broker_with(j)};
+	w->root = broker_conn_open(w->b, 0, 0, 1, &err);
+	cr_assert_not_null(w->root, "%s", err.msg);
+}
+
+static void workload_end(workload *w)
+{
+	broker_free(w->b);
+}
+
+/* ---- tests ------------------------------------------------------------------- */
+
+static void setup(void)
+{
+	srand(14);
+	live_mems = 0;
+	clock_ms = 1000;
+}
+
+static void teardown(void)
+{
+	cr_assert_eq(live_mems, 0, "%d buffers' memory was not given back", live_mems);
+}
+
+TestSuite(broker_journal, .init = setup, .fini = teardown);
+
+Test(broker_journal, a_broker_rebuilds_from_its_journal_equal_to_itself)
+{
+	journal *j = new_journal();
+	workload w;
+	workload_start(&w, j);
+	for (int round = 0; round < 40; round++) {
+		for (int k = 0; k < 50; k++)
+			step(&w);
+		char *want = view_of(w.b, w.root, 0);
+		char *got = view_restored(journal_fd(j));
+		cr_assert_not_null(got, "round %d: the journal was refused", round);
+		cr_assert_str_eq(got, want, "round %d", round);
+		free(want);
+		free(got);
+	}
+	cr_assert_eq(broker_journal_errors(w.b), 0);
+	workload_end(&w);
+	journal_free(j);
+}
+
+static int highest_id(const broker_info *i, void *arg)
+{
+	uint64_t *highest = arg;
+	if (i->id > *highest)
+		*highest = i->id;
+	return 0;
+}
+
+Test(broker_journal, a_restored_broker_journals_itself_and_carries_on)
+{
+	journal *j = new_journal();
+	workload w;
+	workload_start(&w, j);
+	for (int k = 0; k < 400; k++)
+		step(&w);
+	char *want = view_of(w.b, w.root, 0);
+
+	/* Restore into a broker with a journal of its own: that journal holds
+	 * the whole state at once, and rebuilds it again. */
+	journal *j2 = new_journal();
+	broker *r = broker_with(j2);
+	broker_error err;
+	cr_assert_eq(broker_restore(r, journal_fd(j), restore_mem, NULL, &err), 0, "%s", err.msg);
+	char *again = view_restored(journal_fd(j2));
+	cr_assert_not_null(again);
+	cr_assert_str_eq(again, want);
+
+	/* Ids are not reused: the next buffer's id is above every old one. */
+	broker_conn *c = broker_conn_open(r, 1000, 1000, 7, &err);
+	cr_assert_not_null(c, "%s", err.msg);
+	broker_alloc_req req = {.size = 4096, .kind = BB_HOST, .import_fd = -1};
+	broker_buf *buf;
+	cr_assert_eq(broker_alloc(r, c, &req, &buf, &err), 0, "%s", err.msg);
+	broker_info info;
+	broker_buf_info(r, buf, c, &info);
+	uint64_t highest = 0;
+	broker_list(w.b, w.root, highest_id, &highest);
+	cr_assert_gt(info.id, highest, "buffer %" PRIu64 " is not above %" PRIu64, info.id,
+		     highest);
+	cr_assert_eq(broker_journal_errors(r), 0);
+
+	free(want);
+	free(again);
+	broker_free(r);
+	journal_free(j2);
+	workload_end(&w);
+	journal_free(j);
+}
+
+/* A copy of the journal file after every store of one call. */
+typedef struct crash_copies {
+	int fd;
+	int copies[4096];
+	size_t n;
+} crash_copies;
+
+static int copy_of(int fd)
+{
+	struct stat st;
+	cr_assert_eq(fstat(fd, &st), 0);
+	int c = memfd_create("journal-copy", MFD_CLOEXEC);
+	cr_assert_geq(c, 0);
+	void *src = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+	cr_assert_neq(src, MAP_FAILED);
+	cr_assert_eq(write(c, src, (size_t)st.st_size), st.st_size);
+	munmap(src, (size_t)st.st_size);
+	return c;
+}
+
+static void copy_hook(void *ctx)
+{
+	crash_copies *cc = ctx;
+	cr_assert_lt(cc->n, sizeof(cc->copies) / sizeof(cc->copies[0]));
+	cc->copies[cc->n++] = copy_of(cc->fd);
+}
+
+Test(broker_journal, a_crash_at_any_store_rebuilds_the_broker_before_or_after_the_call)
+{
+	journal *j = new_journal();
+	workload w;
+	workload_start(&w, j);
+	static crash_copies cc;
+	size_t points = 0, afters = 0;
+	for (int s = 0; s < 300; s++) {
+		bool watch = s % 5 == 0;
+		char *before = watch ? view_of(w.b, w.root, 0) : NULL;
+		cc = (crash_copies){.fd = journal_fd(j)};
+		if (watch)
+			journal_set_store_hook(j, copy_hook, &cc);
+		step(&w);
+		journal_set_store_hook(j, NULL, NULL);
+		if (!watch)
+			continue;
+		char *after = view_of(w.b, w.root, 0);
+		bool went_after = false;
+		for (size_t k = 0; k < cc.n; k++) {
+			char *got = view_restored(cc.copies[k]);
+			close(cc.copies[k]);
+			cr_assert_not_null(got,
+					   "step %d: a crash after store %zu of %zu is refused", s,
+					   k + 1, cc.n);
+			bool is_after = strcmp(got, after) == 0;
+			bool is_before = strcmp(got, before) == 0;
+			cr_assert(
+				is_after || is_before,
+				"step %d: a crash after store %zu of %zu rebuilds neither the "
+				"broker before the call nor the one after:\n%s\nbefore:\n%s\nafter:\n%s",
+				s, k + 1, cc.n, got, before, after);
+			cr_assert(!went_after || is_after,
+				  "step %d: store %zu of %zu goes back to the state before", s,
+				  k + 1, cc.n);
+			went_after = went_after || (is_after && !is_before);
+			afters += is_after && !is_before;
+			points++;
+			free(got);
+		}
+		free(before);
+		free(after);
+	}
+	cr_assert_gt(points, 500, "only %zu crash points", points);
+	cr_assert_gt(afters, 0);
+	workload_end(&w);
+	journal_free(j);
+}
+
+Test(broker_journal, a_corrupted_state_is_refused_and_leaves_the_broker_empty)
+{
+	journal *j = new_journal();
+	workload w;
+	workload_start(&w, j);
+	for (int k = 0; k < 200; k++)
+		step(&w);
+	/* A live buffer record's committed copy, flipped: the digest no longer
+	 * sums, and nothing of the state is used. */
+	int bad = copy_of(journal_fd(j));
+	struct stat st;
+	cr_assert_eq(fstat(bad, &st), 0);
+	unsigned char *m =
+		mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, bad, 0);
+	cr_assert_neq(m, MAP_FAILED);
+	/* Flip every byte of the first extent's slots: at least one live record's
+	 * copies are in it. */
+	for (size_t off = 4096; off < 4096 + 4 * 1024; off++)
+		m[off] ^= 0x5a;
+	munmap(m, (size_t)st.st_size);
+	broker *r = broker_with(NULL);
+	broker_error err;
+	int rc = broker_restore(r, bad, restore_mem, NULL, &err);
+	cr_assert(rc == BB_ERR_PROTOCOL || rc == BB_ERR_INVALID, "rc %d: %s", rc, err.msg);
+	broker_totals t;
+	broker_totals_get(r, &t);
+	cr_assert_eq(t.buffers[BB_HOST], 0);
+	cr_assert_eq(t.connections, 0);
+	broker_free(r);
+	close(bad);
+	workload_end(&w);
+	journal_free(j);
+}
+
+Test(broker_journal, off_writes_nothing_and_reports_no_errors)
+{
+	workload w;
+	workload_start(&w, NULL);
+	for (int k = 0; k < 200; k++)
+		step(&w);
+	cr_assert_eq(broker_journal_errors(w.b), 0);
+	workload_end(&w);
+}
+
+/* The session record of the only uid-1000 connection in journal j. */
+static journal_session session_of_1000(journal *j)
+{
+	journal_state s;
+	char why[256];
+	cr_assert_eq(journal_read(journal_fd(j), &s, why, sizeof(why)), 0, "%s", why);
+	journal_session found = {0};
+	for (size_t i = 0; i < s.n_sessions; i++)
+		if (s.sessions[i].uid == 1000)
+			found = s.sessions[i];
+	journal_state_free(&s);
+	cr_assert_neq(found.id, 0);
+	return found;
+}
+
+Test(broker_journal, applied_request_ids_commit_with_their_effect)
+{
+	journal *j = new_journal();
+	broker *b = broker_with(j);
+	broker_error err;
+	broker_conn *c = broker_conn_open(b, 1000, 1000, 7, &err);
+	cr_assert_not_null(c);
+	broker_alloc_req req = {.size = 4096, .kind = BB_HOST, .import_fd = -1};
+	broker_buf *buf;
+	broker_conn_note_request(c, 1);
+	cr_assert_eq(broker_alloc(b, c, &req, &buf, &err), 0, "%s", err.msg);
+	broker_info info;
+	broker_buf_info(b, buf, c, &info);
+	journal_session s = session_of_1000(j);
+	cr_assert_eq(s.last_request, 1);
+	cr_assert_eq(s.applied_mask, 0);
+
+	/* Out of order: 3 before 2 (a threaded client). */
+	broker_conn_note_request(c, 3);
+	cr_assert_eq(broker_retain(b, c, info.id, 1, NULL, NULL, &err), 0, "%s", err.msg);
+	s = session_of_1000(j);
+	cr_assert_eq(s.last_request, 1);
+	cr_assert_eq(s.applied_mask, 2, "mask %" PRIx64, s.applied_mask);
+	broker_conn_note_request(c, 2);
+	cr_assert_eq(broker_release(b, c, info.id, 1, NULL, NULL, &err), 0, "%s", err.msg);
+	s = session_of_1000(j);
+	cr_assert_eq(s.last_request, 3);
+	cr_assert_eq(s.applied_mask, 0);
+	broker_free(b);
+	journal_free(j);
+}
