@@ -105,12 +105,13 @@ static const key keys[] = {
 	 OFF(server.cuda.vmm_allocations), 0, 1ULL << 20, false, false},
 	{"log", "level", "log-level", KEY_LEVEL, OFF(log_level), 0, 0, false, true},
 	{"metrics", "listen", "metrics-listen", KEY_LISTEN, OFF(own_metrics), 0, 0, false, false},
+	{"restart", "journal", "restart", KEY_BOOL, OFF(server.journal), 0, 0, false, false},
 };
 
 #define NKEYS (sizeof(keys) / sizeof(keys[0]))
 
-static const char *const sections[] = {"socket", "access", "limits", "tokens",
-				       "cuda",   "log",    "metrics"};
+static const char *const sections[] = {"socket", "access", "limits",  "tokens",
+				       "cuda",   "log",    "metrics", "restart"};
 
 static bool known_section(const char *s)
 {

@@ -90,6 +90,8 @@ static void usage(FILE *out)
 		"  --metrics-listen ADDRESS:PORT\n"
 		"                         serve Prometheus metrics over HTTP there, e.g.\n"
 		"                         127.0.0.1:9464 (default: off)\n"
+		"  --restart              keep the state journal for live restart\n"
+		"                         (experimental: nothing survives a restart yet)\n"
 		"  --log-level LEVEL      error, warn, info (default) or debug\n"
 		"  --version              print the version and exit\n"
 		"  --help                 print this help and exit\n"
@@ -131,6 +133,7 @@ static const struct option options[] = {
 	{"max-cuda-vmm-allocations", required_argument, NULL, OPT_KEY},
 	{"no-cuda", no_argument, NULL, OPT_KEY},
 	{"metrics-listen", required_argument, NULL, OPT_KEY},
+	{"restart", no_argument, NULL, OPT_KEY},
 	{"config", required_argument, NULL, OPT_CONFIG},
 	{"check-config", required_argument, NULL, OPT_CHECK_CONFIG},
 	{"version", no_argument, NULL, OPT_VERSION},
@@ -267,7 +270,12 @@ int main(int argc, char **argv)
 		switch (opt) {
 		case OPT_KEY:
 			d.flags[d.nflags].name = options[idx].name;
-			d.flags[d.nflags].value = optarg ? optarg : "false"; /* --no-cuda */
+			/* --no-cuda sets [cuda] enabled false, --restart
+			 * [restart] journal true */
+			d.flags[d.nflags].value = optarg ? optarg
+						  : strcmp(options[idx].name, "no-cuda") == 0
+							  ? "false"
+							  : "true";
 			d.nflags++;
 			break;
 		case OPT_CONFIG:

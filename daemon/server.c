@@ -27,6 +27,7 @@
 #include "conn.h"
 #include "cuda_api.h"
 #include "handler.h"
+#include "journal.h"
 #include "log.h"
 #include "metrics.h"
 #include "park.h"
@@ -41,6 +42,7 @@ struct server {
 	uv_loop_t *loop;             /* the loop everything runs on */
 	server_config cfg;           /* as given (reload changes the live part) */
 	broker *b;                   /* the state machine */
+	journal *journal;            /* [restart] journal: the broker's, or NULL */
 	backend *host;               /* host backend */
 	backend *cuda;               /* CUDA backend, or NULL (cuda_why says why) */
 	char cuda_why[256];          /* why CUDA is not served; "" when it is */
@@ -679,6 +681,15 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 	s->reserve_fd = -1;
 	raise_nofile();
 	broker_config bc = {.limits = cfg->limits};
+	if (cfg->journal) {
+		char why[256];
+		if (journal_create(NULL, &s->journal, why, sizeof(why))) {
+			log_error("event=start_failed error=\"the state journal: %s\"", why);
+			return -1;
+		}
+		bc.journal = s->journal;
+		log_info("event=journal_on fd=%d", journal_fd(s->journal));
+	}
 	s->b = broker_new(&bc);
 	s->host = backend_host_new();
 	if (!s->b || !s->host) {
@@ -847,6 +858,7 @@ void server_shutdown(server *s)
 	if (s->own_socket_file)
 		unlink(s->cfg.socket_path);
 	broker_free(s->b);
+	journal_free(s->journal);
 	/* Buffers that tokens kept alive were freed just now; their backend
 	 * jobs must finish before the backend goes. */
 	if (s->loop)

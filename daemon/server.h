@@ -66,6 +66,8 @@ typedef struct server_config {
 	broker_limits limits;    /* handed to the broker; host_buffers 0: what the
 				  * open-file limit leaves (server_start) */
 	bool no_cuda;            /* --no-cuda: serve host buffers only */
+	bool journal;            /* [restart] journal, --restart: keep the state
+				  * journal (docs/RESTART.md; experimental) */
 	backend_cuda_config cuda; /* slab, cache and device limits */
 } server_config;
 
