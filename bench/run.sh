@@ -5,7 +5,7 @@
 # temporary directory, run every scenario of bufbroker-bench against them,
 # print one table and write JSON (and, with --plot, PNGs).
 #
-# Usage: bench/run.sh [--quick] [--plot] [--build-dir DIR] [--out DIR]
+# Usage: bench/run.sh [--quick] [--plot] [--journal] [--build-dir DIR] [--out DIR]
 #                     [-- BUFBROKER-BENCH-OPTIONS...]
 #
 #   --quick          about a minute; proves the benchmark works (CI). Its
@@ -28,6 +28,10 @@
 #                    one back at the end; root only. It changes what every
 #                    process on the machine gets meanwhile. By default the
 #                    machine's mode is left as it is and recorded.
+#   --journal        run the (first) daemon with --restart: its state journal
+#                    on (docs/RESTART.md; experimental), to compare the round
+#                    trip with the journal on and off (the command line
+#                    recorded with the results says which).
 #   -- ARGS...       passed to bufbroker-bench run, e.g. --only roundtrip,local
 #                    or --reps 9 (see bufbroker-bench --help).
 #
@@ -55,6 +59,7 @@ source "$ROOT/scripts/lib.sh"
 QUICK=0
 PLOT=0
 NOPIN=0
+declare -a JOURNAL=()
 SHMEM_THP=
 BUILD=
 OUT=
@@ -66,6 +71,7 @@ while [[ $# -gt 0 ]]; do
 	--quick) QUICK=1 ;;
 	--plot) PLOT=1 ;;
 	--no-pin) NOPIN=1 ;;
+	--journal) JOURNAL=(--restart) ;;
 	--shmem-thp)
 		[[ $# -ge 2 && $2 =~ ^(never|advise|within_size|always)$ ]] ||
 			{ echo "run.sh: --shmem-thp needs never, advise, within_size or always" >&2; exit 2; }
@@ -239,7 +245,7 @@ bb_log "starting bufbrokerd (a second and a third one with CUDA), the echo serve
 	ulimit -n "$WANT_FILES" 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 	exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb.sock" --log-level warn \
 		--uid-buffers $((MAX_LEVEL + 100000)) --uid-host-bytes 1T --uid-cuda-bytes 1T \
-		--max-connections "$MAX_CONN"
+		--max-connections "$MAX_CONN" ${JOURNAL[@]+"${JOURNAL[@]}"}
 ) >"$DIR/daemon.log" 2>&1 &
 DPID=$!
 wait_socket "$DIR/bb.sock" "$DPID" bufbrokerd || { cat "$DIR/daemon.log" >&2; exit 1; }
