@@ -1194,8 +1194,8 @@ void broker_conn_close(broker *b, broker_conn *conn)
 	if (b->j) {
 		jbegin(b);
 		journal_drop(b->j, &conn->jslot, false);
-		idmap_free(&conn->jholds);
 	}
+	idmap_free(&conn->jholds); /* empty unless the journal was turned off (broker_free) */
 	conn_allocations_free(conn);
 	DL_DELETE(b->conns, conn);
 	b->nconns--;
@@ -2025,7 +2025,8 @@ static int restore_state(broker *b, const journal_state *s, broker_conn **conns,
 		buf->refs += r->count;
 	}
 	/* The FIFO is oldest first: by deadline, which is creation + TTL. */
-	qsort(s->tokens, s->n_tokens, sizeof(*s->tokens), compare_token_deadline);
+	if (s->n_tokens > 1) /* no NULL array to qsort (UBSan) */
+		qsort(s->tokens, s->n_tokens, sizeof(*s->tokens), compare_token_deadline);
 	for (size_t i = 0; i < s->n_tokens; i++) {
 		const journal_token *r = &s->tokens[i];
 		broker_conn *maker = r->session ? restored_conn(s, conns, r->session) : NULL;
