@@ -9,6 +9,7 @@
 
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -470,6 +471,20 @@ void bbt_cleanup(void)
 			remove_dir(g_daemons[i].dir);
 	}
 	g_ndaemons = 0;
+}
+
+void bbt_cleanup_fakecuda(bool used_fake)
+{
+	const char *fake = getenv("BB_FAKECUDA");
+	void *lib;
+
+	bbt_cleanup();
+	if (!used_fake || !fake || !(lib = dlopen(fake, RTLD_NOW | RTLD_LOCAL)))
+		return;
+	void (*reset)(void) = (void (*)(void))dlsym(lib, "fakecuda_reset_namespace");
+	if (reset)
+		reset();
+	dlclose(lib);
 }
 
 bb_client *bbt_connect(const bbt_daemon *d)

@@ -87,6 +87,11 @@ int bbt_daemon_set_nofile(const bbt_daemon *d, long soft);
 /* Kill any daemon still running and remove the temporary directories.
  * Use as every suite's .fini. */
 void bbt_cleanup(void);
+/* bbt_cleanup, then, when used_fake, remove what the test's fake CUDA
+ * namespaces left in /dev/shm (allocations of killed processes, the
+ * devices' accounting) through $BB_FAKECUDA's fakecuda_reset_namespace.
+ * The .fini of suites that run the fake driver. */
+void bbt_cleanup_fakecuda(bool used_fake);
 
 /* bb_connect to d's socket; asserts success. */
 bb_client *bbt_connect(const bbt_daemon *d);

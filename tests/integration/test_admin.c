@@ -52,16 +52,7 @@ static bool g_cuda; /* the daemon serves CUDA buffers through the fake driver */
 
 static void admin_fini(void)
 {
-	const char *fake = getenv("BB_FAKECUDA");
-	void *lib;
-
-	bbt_cleanup();
-	if (!g_cuda || !fake || !(lib = dlopen(fake, RTLD_NOW | RTLD_LOCAL)))
-		return;
-	void (*reset)(void) = (void (*)(void))dlsym(lib, "fakecuda_reset_namespace");
-	if (reset)
-		reset();
-	dlclose(lib);
+	bbt_cleanup_fakecuda(g_cuda);
 }
 
 TestSuite(admin, .fini = admin_fini, .timeout = 120);

@@ -53,16 +53,7 @@ static bool g_vmm;  /* bb_alloc makes VMM buffers (BBT_CUDA_HANDLE=vmm) */
  * /dev/shm (allocations of killed processes, the devices' accounting). */
 static void cuda_fini(void)
 {
-	const char *fake = getenv("BB_FAKECUDA");
-	void *lib;
-
-	bbt_cleanup();
-	if (!g_fake || !fake || !(lib = dlopen(fake, RTLD_NOW | RTLD_LOCAL)))
-		return;
-	void (*reset)(void) = (void (*)(void))dlsym(lib, "fakecuda_reset_namespace");
-	if (reset)
-		reset();
-	dlclose(lib);
+	bbt_cleanup_fakecuda(g_fake);
 }
 
 TestSuite(cuda, .fini = cuda_fini, .timeout = 90);

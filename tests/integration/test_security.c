@@ -53,16 +53,7 @@ static bool g_fake; /* a test put the daemon on libfakecuda.so */
 /* After the daemon is gone: what a fake CUDA namespace left in /dev/shm. */
 static void security_fini(void)
 {
-	const char *fake = getenv("BB_FAKECUDA");
-	void *lib;
-
-	bbt_cleanup();
-	if (!g_fake || !fake || !(lib = dlopen(fake, RTLD_NOW | RTLD_LOCAL)))
-		return;
-	void (*reset)(void) = (void (*)(void))dlsym(lib, "fakecuda_reset_namespace");
-	if (reset)
-		reset();
-	dlclose(lib);
+	bbt_cleanup_fakecuda(g_fake);
 }
 
 TestSuite(security, .fini = security_fini, .timeout = 90);

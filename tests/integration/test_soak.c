@@ -707,16 +707,7 @@ static bool g_fake_ns;
 
 static void soak_fini(void)
 {
-	const char *fake = getenv("BB_FAKECUDA");
-	void *lib;
-
-	bbt_cleanup();
-	if (!g_fake_ns || !fake || !(lib = dlopen(fake, RTLD_NOW | RTLD_LOCAL)))
-		return;
-	void (*reset)(void) = (void (*)(void))dlsym(lib, "fakecuda_reset_namespace");
-	if (reset)
-		reset();
-	dlclose(lib);
+	bbt_cleanup_fakecuda(g_fake_ns);
 }
 
 /* Run one round: spawn the clients, kill most at random moments, stop the

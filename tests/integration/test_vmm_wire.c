@@ -37,15 +37,7 @@
 
 static void vmm_fini(void)
 {
-	const char *fake = getenv("BB_FAKECUDA");
-	void *lib;
-	bbt_cleanup();
-	if (!fake || !(lib = dlopen(fake, RTLD_NOW | RTLD_LOCAL)))
-		return;
-	void (*reset)(void) = (void (*)(void))dlsym(lib, "fakecuda_reset_namespace");
-	if (reset)
-		reset();
-	dlclose(lib);
+	bbt_cleanup_fakecuda(true);
 }
 
 TestSuite(vmm_wire, .fini = vmm_fini, .timeout = 90);
