@@ -6,7 +6,7 @@
 #define BB_WIRE_H
 
 #define BB_PROTO_MAJOR 1
-#define BB_PROTO_MINOR 2
+#define BB_PROTO_MINOR 3
 
 /* Largest datagram either side sends or accepts by default (bytes). */
 #define BB_MAX_DATAGRAM (64 * 1024)

@@ -324,4 +324,41 @@ typedef int (*broker_restore_mem)(void *ctx, backend *be, const struct journal_b
  * hold together: b is left empty) or the error of journal_read or mem. */
 int broker_restore(broker *b, int fd, broker_restore_mem mem, void *ctx, broker_error *err);
 
+/* ---- sessions across a restart (docs/RESTART.md) -------------------------- */
+/* Every connection is a session (id from broker_conn_open, never reused). A
+ * session restored by broker_restore has no socket: it is *absent* until a
+ * client resumes it (broker_session_resume) or its grace deadline passes
+ * (broker_release_absent closes it as a disconnect: counts released,
+ * PENDING buffers it produces FAILED, tokens it made live on). */
+
+/* [helper A] conn's session id. */
+uint64_t broker_conn_session(const broker_conn *conn);
+/* [helper A] True for a restored session no connection has resumed. */
+bool broker_conn_absent(const broker_conn *conn);
+/* [helper A] Restored sessions not resumed yet. */
+uint32_t broker_absent_sessions(const broker *b);
+/* [helper A] Close every absent session whose grace deadline (broker clock,
+ * ms; set by broker_restore to now + grace_ms, kept in the journal so that
+ * a second crash does not extend it) is at or before now; returns how many.
+ * broker_next_grace gives the earliest deadline still pending (0: none). */
+uint32_t broker_release_absent(broker *b);
+uint64_t broker_next_grace(const broker *b);
+/* [helper A] The grace period given to sessions broker_restore brings back
+ * (ms); set before broker_restore. Default 10 000. */
+void broker_set_grace(broker *b, uint64_t grace_ms);
+
+/* [helper B] The 16-byte secret that resumes conn's session (random, made
+ * by broker_conn_open, journaled with the session). */
+void broker_conn_secret(const broker_conn *conn, unsigned char out[BB_TOKEN_SIZE]);
+/* [helper B] Attach a client to absent session `session`: the secret must
+ * match (constant-time compare) and uid be the session's. 0 and *out (the
+ * restored connection, present from now on; the caller closes the empty
+ * connection it opened at accept and uses *out), or BB_ERR_NOT_FOUND
+ * (unknown or already released), BB_ERR_DENIED (secret or uid), BB_ERR_EXISTS
+ * (not absent: a live connection has it). *floor and *mask: the applied
+ * request ids (broker_conn_note_request's record). */
+int broker_session_resume(broker *b, uint64_t session, const unsigned char *secret,
+			  size_t secret_len, uint32_t uid, broker_conn **out, uint64_t *floor,
+			  uint64_t *mask, broker_error *err);
+
 #endif /* BB_BROKER_H */

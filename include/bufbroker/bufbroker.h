@@ -168,6 +168,32 @@ int bb_connect(const char *path, bb_client **out);
  * allowed. */
 void bb_disconnect(bb_client *c);
 
+/* Reconnecting across a daemon restart (0.2; docs/OPERATIONS.md, "Restarts
+ * and upgrades"). When the daemon keeps its state (its HelloReply named a
+ * session), a client whose connection breaks reconnects on its own and
+ * resumes its session: its counts, tokens, PENDING buffers it produces and
+ * parked waits come back, every mapping stays valid, and a request that was
+ * in flight is applied exactly once. Calls made meanwhile wait for it; when
+ * no daemon resumes the session within timeout_ms they return
+ * BB_ERR_DISCONNECTED, as they do without reconnecting. A daemon that keeps
+ * no state is never reconnected to. Defaults: on (BUFBROKER_RECONNECT=0 in
+ * the environment at bb_connect turns it off), timeout 10 000 ms, backoff
+ * from 10 ms doubling to 500 ms. */
+typedef struct bb_reconnect_opts {
+	int enabled;             /* 0: a broken connection stays broken */
+	uint32_t timeout_ms;     /* give up after this long (0: the default) */
+	uint32_t backoff_ms;     /* first wait between attempts (0: the default) */
+	uint32_t max_backoff_ms; /* the wait doubles up to this (0: the default) */
+	uint32_t reserved[4];    /* 0 */
+} bb_reconnect_opts;
+/* Set c's reconnect behaviour; opts NULL restores the defaults. Values out
+ * of range (backoff_ms above max_backoff_ms, reserved not 0):
+ * BB_ERR_INVALID. */
+int bb_client_set_reconnect(bb_client *c, const bb_reconnect_opts *opts);
+/* How many times c has resumed its session (0 if never), for logs and
+ * tests. */
+uint64_t bb_client_resumes(const bb_client *c);
+
 /* A new buffer, PENDING, one local count held by the caller. Options out of
  * range (a name longer than BB_NAME_MAX bytes, or not UTF-8, or with
  * control characters, included): BB_ERR_INVALID; a

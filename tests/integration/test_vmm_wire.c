@@ -25,10 +25,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
 #include <unistd.h>
 
 #include "cuda_api.h"
 #include "harness.h"
+#include "wire.h"
 
 #define MIB (1024u * 1024u)
 #define RECV_MS 5000
@@ -80,7 +82,7 @@ typedef struct peer {
 } peer;
 
 /* Hello with protocol 1.minor as request 1; safe in a child. 0 when the
- * daemon accepted it and speaks 1.2, else -1. */
+ * daemon accepted it and speaks our minor, else -1. */
 static int hello_minor(int sock, uint32_t minor)
 {
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
@@ -95,7 +97,7 @@ static int hello_minor(int sock, uint32_t minor)
 	if (bbt_raw_send(sock, &req, -1) || bbt_raw_recv(sock, RECV_MS, &resp, NULL) != 1)
 		return -1;
 	int ok = resp->status && resp->status->code == 0 && resp->hello &&
-		 resp->hello->version_minor == 2;
+		 resp->hello->version_minor == BB_PROTO_MINOR;
 	bufbroker__response__free_unpacked(resp, NULL);
 	return ok ? 0 : -1;
 }

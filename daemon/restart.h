@@ -1,0 +1,84 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Keeping the daemon's state across a restart (docs/RESTART.md): the fds
+ * a restart needs (the journal, each host buffer's memfd, each VMM
+ * allocation's exported fd) in systemd's fd store, or handed to a fresh
+ * execve of the binary (planned upgrade); and the start from them.
+ *
+ * Names (FDNAME, LISTEN_FDNAMES), unique per fd: "journal-G" (generation
+ * G), "b<id>" (host buffer id), "a<id>" (VMM allocation id); the listening
+ * socket is whatever the socket unit names it ("bufbrokerd.socket" by
+ * systemd's default) and is recognised by being a listening SOCK_SEQPACKET.
+ *
+ * Layer: between server (which owns it) and handler (it calls the broker,
+ * the journal and the backends; nothing above it). Everything here runs on
+ * the loop thread.
+ */
+#ifndef BB_RESTART_H
+#define BB_RESTART_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "broker.h"
+
+struct journal;
+typedef struct restart restart;
+
+typedef struct restart_config {
+	bool journal;        /* [restart] journal: keep state at all */
+	bool strict;         /* [restart] strict: a kept state that is refused
+			      * makes the start fail (exit non-zero) instead of
+			      * starting empty */
+	uint64_t grace_ms;   /* [restart] grace: absent sessions' grace period */
+	uint64_t store_max;  /* FileDescriptorStoreMax as known ($FDSTORE), 0 unknown */
+} restart_config;
+
+/* What the start found (logs, metrics, ServerStatus). */
+typedef struct restart_stats {
+	uint64_t restarts;            /* starts from a kept state (journal header) */
+	uint64_t restored_buffers;    /* buffers rebuilt by this process */
+	uint64_t failed_legacy;       /* legacy CUDA buffers made FAILED at start */
+	uint64_t failed_missing;      /* buffers whose fd was not kept: FAILED */
+	uint64_t orphans_closed;      /* stored fds no buffer named */
+	uint64_t unprotected;         /* live buffers whose fd could not be stored */
+	uint64_t store_errors;        /* FDSTORE sends that failed */
+	uint64_t start_us;            /* the restore's duration */
+	bool refused;                 /* a kept state was refused: started empty */
+	char refused_why[256];
+} restart_stats;
+
+/* [helper A] Take what LISTEN_FDS/LISTEN_FDNAMES passed (the listening
+ * socket, journal-G, b<id>, a<id>; unsets the variables), create the
+ * journal (cfg->journal) and, when a kept state is there, rebuild broker b
+ * from it with the backends adopting the fds (docs/RESTART.md, "Starting
+ * from a kept state"); store the new journal generation and remove the old
+ * one and the orphans. *listen_fd: the passed listening socket, or -1.
+ * 0, or an error with why (then the daemon does not start). */
+int restart_start(restart **out, const restart_config *cfg, broker *b, backend *host,
+		  backend *cuda, int *listen_fd, char *why, size_t len);
+void restart_free(restart *r);
+/* The journal to hand the broker (broker_config.journal), or NULL when off.
+ * [helper A] restart_start may need to create it before the broker exists:
+ * the split between restart_new (journal) and restart_start (fds, rebuild)
+ * is helper A's to settle. */
+struct journal *restart_journal(restart *r);
+const restart_stats *restart_get_stats(const restart *r);
+
+/* [helper A] The broker's store hooks: a buffer's or allocation's fd goes
+ * into the store before its first Grant is sent, comes out after the commit
+ * that frees it (batched at the end of the loop turn). */
+void restart_store_buffer(restart *r, uint64_t id, int fd);
+void restart_unstore_buffer(restart *r, uint64_t id);
+void restart_store_allocation(restart *r, uint64_t id, int fd);
+void restart_unstore_allocation(restart *r, uint64_t id);
+void restart_flush(restart *r); /* send the batched removals */
+
+/* [helper A] Every fd a new image needs, as (name, fd) pairs, the journal
+ * first: what the store holds. For the execve upgrade [helper C]. Returns
+ * how many were given to fn; fn returning non-zero stops the walk. */
+size_t restart_each_fd(restart *r, int (*fn)(void *ctx, const char *name, int fd), void *ctx);
+
+#endif /* BB_RESTART_H */
