@@ -804,6 +804,7 @@ int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 	else if (listen_on(s) < 0)
 		return -1;
 	on_grace(&s->grace_timer);
+	handler_restored(s->h);
 
 	uv_poll_init(loop, &s->listen_poll, s->listen_fd);
 	s->listen_poll.data = s;
