@@ -763,7 +763,9 @@ static void on_grace(uv_timer_t *t)
 	uint64_t next = broker_next_grace(s->b);
 	if (next) {
 		uint64_t now = mono_ms();
-		uv_timer_start(&s->grace_timer, on_grace, next > now ? next - now : 0, 0);
+		/* At least 1 ms: a timer due now would run again in the same
+		 * loop turn, and a deadline that could not be met would spin. */
+		uv_timer_start(&s->grace_timer, on_grace, next > now ? next - now : 1, 0);
 	}
 }
 
