@@ -1833,6 +1833,10 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 		 broker_error *err)
 {
 	int rc = alloc_op(b, conn, req, out, err);
+	/* Not applied yet: the request parks and is noted again when it is
+	 * retried (handler_retry_allocs). */
+	if (rc == BACKEND_GROW)
+		conn->noted_request = 0;
 	JEND(b, conn);
 	return rc;
 }

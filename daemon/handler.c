@@ -353,6 +353,8 @@ static bool retry_alloc(void *ctx, const park_alloc *pa)
 		alloc_unparked(c);
 		return true;
 	}
+	/* Applied (if it is) in the transaction of this retry. */
+	broker_conn_note_request(c->bc, pa->req_id);
 	if (alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, pa->cuda_handle,
 		      -1) == BACKEND_GROW)
 		return false;
@@ -674,6 +676,12 @@ static void do_server_status(req_ctx *r)
 	ss.tokens = t->tokens;
 	ss.waits = t->waits;
 	ss.pid = (uint32_t)getpid();
+	ss.restarts = snap.restart.restarts;
+	ss.restored_buffers = snap.restart.restored_buffers;
+	ss.absent_sessions = snap.restart.absent_sessions;
+	ss.journal_bytes = snap.restart.journal_bytes;
+	ss.restart_protected = snap.restart.protected_by_store;
+	ss.unprotected_buffers = snap.restart.unprotected;
 
 	/* The devices, as many as a datagram holds (each row is < 500 bytes,
 	 * vmm_unavailable included: 64 fit the default datagram). */

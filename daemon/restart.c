@@ -448,6 +448,7 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	}
 	r->cfg = *cfg;
 	r->notify_fd = -1;
+	r->stats.journal_fd = -1;
 	r->listen_fd = -1;
 	if (take_passed(r, why, len) < 0)
 		return -1;
@@ -467,6 +468,7 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	r->store = ns && ns[0];
 	if (r->store)
 		r->notify_fd = notify_connect();
+	r->stats.journal_fd = journal_fd(r->j);
 	return 0;
 }
 
@@ -600,7 +602,8 @@ int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *list
 	 * out. */
 	char name[NAME_MAX_LEN];
 	snprintf(name, sizeof(name), "journal-%" PRIu64, r->generation);
-	if (r->store && store_add(r, name, journal_fd(r->j)) < 0)
+	r->stats.protected_by_store = r->store && store_add(r, name, journal_fd(r->j)) == 0;
+	if (r->store && !r->stats.protected_by_store)
 		log_warn("event=fdstore_add_failed name=%s note=\"the state will not survive a "
 			 "restart\"",
 			 name);

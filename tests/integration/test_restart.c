@@ -37,6 +37,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "client_internal.h"
 #include "harness.h"
 
 #define STORE_MAX 512
@@ -365,6 +366,35 @@ static int gone_within(bb_client *c, uint64_t id, int real_ms)
 	}
 }
 
+/* ServerStatus's restart fields (protocol 1.3). */
+typedef struct restart_status {
+	uint64_t restarts, restored_buffers, journal_bytes, unprotected_buffers;
+	uint32_t absent_sessions;
+	bool restart_protected;
+} restart_status;
+
+static restart_status status_of(bb_client *c)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
+	Bufbroker__Response *resp = NULL;
+	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
+	req.server_status = &ss;
+	cr_assert_eq(bbc_call(c, &req, -1, &resp, NULL), 0);
+	cr_assert(resp->status && resp->status->code == 0 && resp->server_status);
+	const Bufbroker__ServerStatusReply *r = resp->server_status;
+	restart_status out = {
+		.restarts = r->restarts,
+		.restored_buffers = r->restored_buffers,
+		.journal_bytes = r->journal_bytes,
+		.unprotected_buffers = r->unprotected_buffers,
+		.absent_sessions = r->absent_sessions,
+		.restart_protected = r->restart_protected,
+	};
+	bbc_response_free(resp);
+	return out;
+}
+
 static char name_of(char kind, uint64_t id, char out[32])
 {
 	snprintf(out, 32, "%c%llu", kind, (unsigned long long)id);
@@ -411,11 +441,22 @@ Test(restart, host_buffers_survive_a_sigkill_and_the_store_holds_what_a_restart_
 	cr_assert_geq(store_find(f, "journal-1"), 0);
 	cr_assert_eq(f->n, 5, "the store holds %d fds; want the journal and 4 buffers", f->n);
 
+	restart_status st = status_of(c1);
+	cr_assert_eq(st.restarts, 0);
+	cr_assert(st.restart_protected, "the journal is stored");
+	cr_assert_gt(st.journal_bytes, 0);
+	cr_assert_eq(st.unprotected_buffers, 0);
+
 	fsd_crash(f, NULL);
 
 	/* The old client's mapping is the memfd itself: still valid. */
 	cr_assert(bbt_check(pa, 65536, 1), "a mapping lost its bytes across the restart");
 	bb_client *c2 = bbt_connect(&f->d);
+	st = status_of(c2);
+	cr_assert_eq(st.restarts, 1);
+	cr_assert_eq(st.restored_buffers, 4);
+	cr_assert_eq(st.absent_sessions, 1, "c1's session is absent: %u", st.absent_sessions);
+	cr_assert(st.restart_protected);
 	for (int i = 0; i < 4; i++) {
 		bb_info now;
 		stat_ok(c2, ids[i], &now);
