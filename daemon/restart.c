@@ -25,6 +25,7 @@
 
 #include "journal.h"
 #include "log.h"
+#include "msgio.h"
 
 /* What a legacy CUDA buffer says after a restart (RESTART.md, "Legacy CUDA
  * buffers"). */
@@ -142,28 +143,9 @@ static int notify(restart *r, const char *msg, int fd)
 		int rc = sd_pid_notify_with_fds(0, 0, msg, fd >= 0 ? &fd : NULL, fd >= 0 ? 1 : 0);
 		return rc > 0 ? 0 : rc < 0 ? rc : -ENOTCONN;
 	}
-	struct iovec iov = {.iov_base = (void *)msg, .iov_len = strlen(msg)};
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int))];
-	} c;
-	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-	if (fd >= 0) {
-		memset(&c, 0, sizeof(c));
-		mh.msg_control = c.buf;
-		mh.msg_controllen = sizeof(c.buf);
-		struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-		cm->cmsg_level = SOL_SOCKET;
-		cm->cmsg_type = SCM_RIGHTS;
-		cm->cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-	}
-	/* A full notify socket: one more try, blocking at most SO_SNDTIMEO. */
-	if (sendmsg(r->notify_fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0)
-		return 0;
-	if (errno == EAGAIN && sendmsg(r->notify_fd, &mh, MSG_NOSIGNAL) >= 0)
-		return 0;
-	return -errno;
+	/* A full notify socket: the send waits at most SO_SNDTIMEO. */
+	ssize_t n = msgio_send(r->notify_fd, msg, strlen(msg), fd);
+	return n < 0 ? (int)n : 0;
 }
 
 static int store_add(restart *r, const char *name, int fd)
@@ -267,51 +249,53 @@ static kept *kept_add(kept **table, uint64_t id, int fd)
 	return k;
 }
 
-void restart_store_buffer(restart *r, uint64_t id, int fd)
+/* Keep fd under <letter><id> in table (a second store of an allocation
+ * it has is a no-op add). */
+static void store_one(restart *r, kept **table, char letter, uint64_t id, int fd)
 {
 	char name[NAME_MAX_LEN];
-	snprintf(name, sizeof(name), "b%" PRIu64, id);
-	kept *k = kept_add(&r->bufs, id, fd);
-	if (!k) {
+	snprintf(name, sizeof(name), "%c%" PRIu64, letter, id);
+	kept *k = kept_find(*table, id);
+	if (k)
+		return;
+	if (!(k = kept_add(table, id, fd))) {
 		r->stats.unprotected++;
 		return;
 	}
 	kept_store(r, k, name);
 }
 
-void restart_unstore_buffer(restart *r, uint64_t id)
+static void unstore_one(restart *r, kept **table, char letter, uint64_t id)
 {
 	char name[NAME_MAX_LEN];
-	kept *k = kept_find(r->bufs, id);
+	kept *k = kept_find(*table, id);
 	if (!k) {
 		if (r->stats.unprotected)
 			r->stats.unprotected--; /* it had no entry: it was counted */
 		return;
 	}
-	snprintf(name, sizeof(name), "b%" PRIu64, id);
-	kept_forget(r, &r->bufs, k, name);
+	snprintf(name, sizeof(name), "%c%" PRIu64, letter, id);
+	kept_forget(r, table, k, name);
+}
+
+void restart_store_buffer(restart *r, uint64_t id, int fd)
+{
+	store_one(r, &r->bufs, 'b', id, fd);
+}
+
+void restart_unstore_buffer(restart *r, uint64_t id)
+{
+	unstore_one(r, &r->bufs, 'b', id);
 }
 
 void restart_store_allocation(restart *r, uint64_t id, int fd)
 {
-	char name[NAME_MAX_LEN];
-	snprintf(name, sizeof(name), "a%" PRIu64, id);
-	kept *k = kept_find(r->allocs, id);
-	if (!k && !(k = kept_add(&r->allocs, id, fd))) {
-		r->stats.unprotected++;
-		return;
-	}
-	kept_store(r, k, name);
+	store_one(r, &r->allocs, 'a', id, fd);
 }
 
 void restart_unstore_allocation(restart *r, uint64_t id)
 {
-	char name[NAME_MAX_LEN];
-	kept *k = kept_find(r->allocs, id);
-	if (!k)
-		return;
-	snprintf(name, sizeof(name), "a%" PRIu64, id);
-	kept_forget(r, &r->allocs, k, name);
+	unstore_one(r, &r->allocs, 'a', id);
 }
 
 void restart_keep(void *ctx, const broker_kept *k, bool live)

@@ -310,12 +310,17 @@ static fsd *fsd_start(const char *const *args)
 
 /* SIGKILL the daemon; take what it sent before it died (systemd reads its
  * notify socket before it handles the death); start it again. */
-static void fsd_crash(fsd *f, const char *const *more)
+static void fsd_kill(fsd *f)
 {
 	kill(f->d.pid, SIGKILL);
 	waitpid(f->d.pid, NULL, 0);
 	f->d.pid = -1;
 	fsd_drain(f);
+}
+
+static void fsd_crash(fsd *f, const char *const *more)
+{
+	fsd_kill(f);
 	fsd_launch(f, more);
 	fsd_wait_ready(f);
 }
@@ -350,20 +355,6 @@ static void stat_ok(bb_client *c, uint64_t id, bb_info *out)
 {
 	int rc = bb_stat(c, id, out);
 	cr_assert_eq(rc, 0, "bb_stat(%llu): %d (%s)", (unsigned long long)id, rc, bb_last_error());
-}
-
-/* Stat id until it is gone or real_ms (already scaled) passed: its last
- * answer. */
-static int gone_within(bb_client *c, uint64_t id, int real_ms)
-{
-	int64_t end = bbt_now_ms() + real_ms;
-	for (;;) {
-		bb_info info;
-		int rc = bb_stat(c, id, &info);
-		if (rc != 0 || bbt_now_ms() >= end)
-			return rc;
-		bbt_sleep_ms(10);
-	}
 }
 
 /* ServerStatus's restart fields (protocol 1.3). */
@@ -430,7 +421,7 @@ Test(restart, host_buffers_survive_a_sigkill_and_the_store_holds_what_a_restart_
 	uint64_t tgone = bb_id(gone);
 	cr_assert(store_until(f, "b", 5), "store: %d b<id> entries, want 5", store_count(f, "b"));
 	bb_unref(gone);
-	cr_assert(gone_within(c1, tgone, bbt_ms(3000)) == BB_ERR_NOT_FOUND);
+	cr_assert(bbt_stat_until_gone(c1, tgone, 3000) == BB_ERR_NOT_FOUND);
 	cr_assert(store_until(f, "b", 4), "a freed buffer stayed in the store");
 	name_of('b', tgone, nm);
 	cr_assert_lt(store_find(f, nm), 0);
@@ -533,7 +524,7 @@ Test(restart, a_session_not_resumed_is_released_after_the_grace_period)
 		cr_assert_eq(rc, 0, "released before its grace period: %s", bb_last_error());
 	/* Then it is released as a disconnect: its count goes (the buffer with
 	 * it), its PENDING buffer fails, its token lives on. */
-	cr_assert_eq(gone_within(c2, tq, bbt_ms(6000)), BB_ERR_NOT_FOUND,
+	cr_assert_eq(bbt_stat_until_gone(c2, tq, 6000), BB_ERR_NOT_FOUND,
 		     "the absent session's buffer outlived the grace period");
 	stat_ok(c2, tpend, &info);
 	cr_assert_eq(info.state, BB_FAILED);
@@ -567,17 +558,20 @@ Test(restart, a_token_keeps_its_deadline_across_a_restart)
 	 * restarted from the new start. */
 	int left = (int)(taken + ttl + bbt_ms(1500) - bbt_now_ms());
 	cr_assert_gt(left, 0, "the restart took longer than the token's TTL");
-	cr_assert_eq(gone_within(c2, tx, left), BB_ERR_NOT_FOUND,
-		     "the token outlived its deadline");
+	/* bbt_stat_until_gone scales what it is given: give it unscaled. */
+	cr_assert_eq(bbt_stat_until_gone(c2, tx, (left + bbt_slow() - 1) / bbt_slow()),
+		     BB_ERR_NOT_FOUND, "the token outlived its deadline");
 	bb_buf *late = NULL;
 	cr_assert_neq(bb_adopt(c2, &tok, &late), 0);
 	bb_disconnect(c2);
 }
 
-/* Flip bytes of both commit copies of the stored journal (page 0, 2048 and
- * 2176): no valid commit, so journal_read refuses it. */
-static void corrupt_journal(fsd *f)
+/* SIGKILL the daemon, take what it sent, then overwrite both commit
+ * copies of the stored journal (page 0, 2048 and 2176): no valid commit,
+ * so journal_read refuses it. Not started again. */
+static void kill_and_corrupt(fsd *f)
 {
+	fsd_kill(f);
 	int i = store_find(f, "journal-1");
 	cr_assert_geq(i, 0);
 	unsigned char junk[256];
@@ -592,11 +586,7 @@ Test(restart, a_corrupted_journal_is_refused_and_the_daemon_starts_empty)
 	bb_buf *a = alloc_host(c1, 4096, "doomed");
 	uint64_t ta = bb_id(a);
 	cr_assert(store_until(f, "b", 1));
-	kill(f->d.pid, SIGKILL);
-	waitpid(f->d.pid, NULL, 0);
-	f->d.pid = -1;
-	fsd_drain(f);
-	corrupt_journal(f);
+	kill_and_corrupt(f);
 	size_t from = bbt_log_size(&f->d);
 	fsd_launch(f, NULL);
 	fsd_wait_ready(f);
@@ -623,11 +613,7 @@ Test(restart, with_restart_strict_a_corrupted_journal_stops_the_start)
 	bb_client *c1 = bbt_connect(&f->d);
 	bb_buf *a = alloc_host(c1, 4096, NULL);
 	cr_assert(store_until(f, "b", 1));
-	kill(f->d.pid, SIGKILL);
-	waitpid(f->d.pid, NULL, 0);
-	f->d.pid = -1;
-	fsd_drain(f);
-	corrupt_journal(f);
+	kill_and_corrupt(f);
 	fsd_launch(f, (const char *const[]){"--restart-strict", NULL});
 	int code = bbt_join(f->d.pid, bbt_ms(READY_MS));
 	f->d.pid = -1;
