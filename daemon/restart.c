@@ -58,7 +58,8 @@ struct restart {
 	restart_config cfg;
 	journal *j;                     /* cfg.journal: this process's journal */
 	uint64_t generation;            /* j's: journal-<generation> */
-	bool store;                     /* NOTIFY_SOCKET set and the journal on */
+	bool notify;                    /* NOTIFY_SOCKET set: there is a store */
+	bool store;                     /* ... and the journal is on: keep fds in it */
 	int notify_fd;                  /* connected to NOTIFY_SOCKET; -1: sd_notify's own */
 	int listen_fd;                  /* the passed listening socket, -1 */
 	kept *bufs;                     /* live host buffers' memfds */
@@ -160,6 +161,8 @@ static int store_add(restart *r, const char *name, int fd)
 
 static void store_remove_now(restart *r, const char *name)
 {
+	if (!r->notify)
+		return; /* no store (an execve upgrade without systemd) */
 	char msg[64 + NAME_MAX_LEN];
 	snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", name);
 	if (notify(r, msg, -1) < 0)
@@ -440,6 +443,12 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	uint64_t v;
 	if (!r->cfg.store_max && fdstore && !parse_decimal(fdstore, &v))
 		r->cfg.store_max = v;
+	/* A store to talk to: removals of what was passed go to it even with
+	 * the journal off; adds only with it on. */
+	const char *ns = getenv("NOTIFY_SOCKET");
+	r->notify = ns && ns[0];
+	if (r->notify)
+		r->notify_fd = notify_connect();
 	if (!cfg->journal)
 		return 0;
 	r->generation = (r->njournals ? r->journals[0].generation : 0) + 1;
@@ -448,10 +457,7 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 		snprintf(why, len, "the state journal: %s", msg);
 		return -1;
 	}
-	const char *ns = getenv("NOTIFY_SOCKET");
-	r->store = ns && ns[0];
-	if (r->store)
-		r->notify_fd = notify_connect();
+	r->store = r->notify;
 	r->stats.journal_fd = journal_fd(r->j);
 	return 0;
 }
