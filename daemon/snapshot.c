@@ -49,8 +49,6 @@ int snapshot_take(const snapshot_sources *src, snapshot *out, bool with_uids)
 	out->counters = src->counters;
 	snapshot_restart *rs = &out->restart;
 	rs->absent_sessions = broker_absent_sessions(src->b);
-	/* Connections are clients' sockets: absent sessions have none. */
-	out->totals.connections -= rs->absent_sessions;
 	rs->journal_errors = broker_journal_errors(src->b);
 	const restart_stats *st = src->restart;
 	if (st) {
