@@ -127,7 +127,10 @@ static int notify_connect(void)
 	int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -1;
-	struct timeval tv = {.tv_sec = 0, .tv_usec = 100000};
+	/* A full notify socket (systemd busy, or a small max_dgram_qlen)
+	 * holds the loop this long per add at most; then the buffer is
+	 * served unprotected. */
+	struct timeval tv = {.tv_sec = 0, .tv_usec = 10000};
 	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 	if (connect(fd, (struct sockaddr *)&sa,
 		    (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)) < 0) {

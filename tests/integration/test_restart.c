@@ -40,7 +40,7 @@
 #include "client_internal.h"
 #include "harness.h"
 
-#define STORE_MAX 512
+#define STORE_MAX 4096
 #define READY_MS 5000 /* a start, times bbt_slow */
 
 /* The systemd stand-in: the service's listening socket, its notify socket,
@@ -664,5 +664,67 @@ Test(restart, legacy_cuda_buffers_become_failed_with_the_reason)
 	bb_disconnect(c2);
 	bb_unref(g);
 	bb_unref(h);
+	bb_disconnect(c1);
+}
+
+Test(restart, a_buffer_the_store_did_not_take_is_served_then_failed_at_a_restart)
+{
+	/* The stand-in stops reading its notify socket: past the socket's
+	 * queue (net.unix.max_dgram_qlen datagrams) the daemon's adds fail. */
+	FILE *q = fopen("/proc/sys/net/unix/max_dgram_qlen", "r");
+	int qlen = 0;
+	cr_assert(q && fscanf(q, "%d", &qlen) == 1);
+	fclose(q);
+	cr_assert(qlen > 0 && qlen + 2 < STORE_MAX, "max_dgram_qlen %d", qlen);
+	fsd *f = fsd_start(NULL);
+	bb_client *c1 = bbt_connect(&f->d);
+	int n = qlen + 3;
+	bb_buf **bufs = calloc((size_t)n, sizeof(*bufs));
+	cr_assert_not_null(bufs);
+	for (int i = 0; i < n; i++) {
+		bufs[i] = alloc_host(c1, 4096, NULL);
+		map_fill(bufs[i], 4096, (uint32_t)i);
+	}
+	restart_status st = status_of(c1);
+	fsd_drain(f);
+	/* Served all the same; the ones the store did not take are counted. */
+	int stored = store_count(f, "b");
+	cr_assert_gt(st.unprotected_buffers, 0, "every add went through");
+	cr_assert_eq(st.unprotected_buffers, (uint64_t)(n - stored),
+		     "%llu buffers unprotected, %d of %d stored",
+		     (unsigned long long)st.unprotected_buffers, stored, n);
+	cr_assert(bbt_log_wait_line(&f->d, 0, bbt_ms(2000),
+				    (const char *const[]){"event=fdstore_add_failed", NULL}));
+
+	fsd_crash(f, NULL);
+	bb_client *c2 = bbt_connect(&f->d);
+	int failed = 0;
+	char nm[32];
+	for (int i = 0; i < n; i++) {
+		bb_info info;
+		stat_ok(c2, bb_id(bufs[i]), &info);
+		name_of('b', bb_id(bufs[i]), nm);
+		if (info.state == BB_FAILED) {
+			/* Exactly those the store did not take. */
+			cr_assert_lt(store_find(f, nm), 0, "%s was stored but failed", nm);
+			cr_assert_str_eq(info.error, "its memory was not kept across the restart");
+			failed++;
+			continue;
+		}
+		cr_assert_geq(store_find(f, nm), 0);
+		bb_buf *b = NULL;
+		void *p = NULL;
+		cr_assert_eq(bb_open(c2, bb_id(bufs[i]), &b), 0, "%s", bb_last_error());
+		cr_assert_eq(bb_map(b, &p), 0);
+		cr_assert(bbt_check(p, 4096, (uint32_t)i), "buffer %d lost its bytes", i);
+		bb_unref(b);
+	}
+	cr_assert_eq(failed, n - stored, "%d buffers failed at the restart, %d were not stored",
+		     failed, n - stored);
+	cr_assert_eq(bbt_check_problems(c2), 0);
+	bb_disconnect(c2);
+	for (int i = 0; i < n; i++)
+		bb_unref(bufs[i]);
+	free(bufs);
 	bb_disconnect(c1);
 }
