@@ -32,6 +32,7 @@
 #include "metrics.h"
 #include "park.h"
 #include "snapshot.h"
+#include "upgrade.h"
 #include "wire.h"
 
 #ifndef SO_PEERGROUPS
@@ -71,6 +72,7 @@ struct server {
 	uv_idle_t reap_soon;         /* active while conns are doomed: the turn does not block */
 	uv_signal_t sigterm, sigint; /* clean shutdown */
 	bool stopping;               /* shutdown begun */
+	upgrade *upgrade;            /* Upgrade and SIGUSR2 (journal on), or NULL */
 };
 
 /* mkdir -p for the socket's parent directory. */
@@ -766,6 +768,17 @@ int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 	uv_signal_start(&s->sigterm, on_signal, SIGTERM);
 	uv_signal_start(&s->sigint, on_signal, SIGINT);
 
+	if (cfg->journal) {
+		/* Increment 3 hands over the kept state's fds (restart_each_fd). */
+		upgrade_env ue = {.loop = loop, .listen_fd = s->listen_fd};
+		handler_upgrade hu;
+		if (!(s->upgrade = upgrade_new(&ue))) {
+			log_error("event=start_failed error=\"out of memory\"");
+			return -1;
+		}
+		hu = upgrade_hooks(s->upgrade);
+		handler_set_upgrade(s->h, &hu);
+	}
 	log_info("event=listening socket=\"%s\" activation=%s max_datagram=%u",
 		 passed ? "(passed by systemd)" : s->cfg.socket_path, passed ? "systemd" : "none",
 		 s->cfg.max_datagram);
@@ -845,6 +858,7 @@ void server_shutdown(server *s)
 	if (s->loop) {
 		if (s->h)
 			conn_close_all(&s->conns);
+		upgrade_close(s->upgrade);
 		/* Connections closed above free themselves in their close
 		 * callbacks; everything else has no callback to wait for. */
 		uv_walk(s->loop, close_walk, NULL);
