@@ -1115,9 +1115,10 @@ static int server_status(bb_client *c, Bufbroker__Response **out)
 	return cli_call(c, &req, BUFBROKER__RESPONSE__RESULT_SERVER_STATUS, out);
 }
 
-/* Ask for the upgrade, then wait for a new image of the same pid to
- * answer: one that counts one more restart, or whose uptime is shorter
- * than the time since the old image said yes. */
+/* Ask for the upgrade, then wait: first for the old image to go (it
+ * answers, then re-executes, and this connection, close-on-exec, ends),
+ * then for the new one (the same pid) to answer a new connection. c must
+ * not reconnect on its own (main turns that off for upgrade). */
 static int cmd_upgrade(bb_client *c, const struct cli *cli)
 {
 	Bufbroker__Upgrade op = BUFBROKER__UPGRADE__INIT;
@@ -1137,8 +1138,6 @@ static int cmd_upgrade(bb_client *c, const struct cli *cli)
 	if (err)
 		return daemon_error(err);
 	uint32_t pid = r->server_status->pid;
-	uint64_t restarts = r->server_status->restarts, uptime = r->server_status->uptime_ms;
-	int64_t asked = mono_ms();
 	bbc_response_free(r);
 
 	req.op_case = BUFBROKER__REQUEST__OP_UPGRADE;
@@ -1162,63 +1161,52 @@ static int cmd_upgrade(bb_client *c, const struct cli *cli)
 		return daemon_error(err);
 	int64_t said_yes = mono_ms();
 
-	/* The old image re-executes once it has answered: poll with new
-	 * connections until the new one answers. */
+	/* The old image re-executes at the end of the turn that answered. */
+	while (server_status(c, &r) == 0) {
+		bbc_response_free(r);
+		if (mono_ms() - said_yes > UPGRADE_EXEC_MS) {
+			fprintf(stderr, "bufbroker: the daemon accepted the upgrade but still runs "
+					"its old image: its execve failed (see its log, "
+					"event=upgrade_failed)\n");
+			return EXIT_DAEMON;
+		}
+		struct timespec ts = {0, 10 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+	}
 	for (;;) {
 		bb_client *n = NULL;
-		int64_t now = mono_ms();
-		if (now - said_yes > UPGRADE_WAIT_MS) {
-			fprintf(stderr, "bufbroker: the daemon did not come back within %d s\n",
-				UPGRADE_WAIT_MS / 1000);
-			return EXIT_UNREACHABLE;
-		}
 		if (bb_connect(cli->socket, &n) == 0 && server_status(n, &r) == 0) {
 			const Bufbroker__ServerStatusReply *s = r->server_status;
-			int64_t done = mono_ms();
-			bool same_pid = s->pid == pid;
-			/* The old image's uptime only grows: uptime + (done - asked)
-			 * give or take the clock's millisecond steps. */
-			bool fresh = s->restarts > restarts ||
-				     s->uptime_ms + 20 < uptime + (uint64_t)(done - asked);
-			if (same_pid && fresh) {
-				if (cli->json)
-					printf("{\"upgraded\":true,\"pid\":%" PRIu32
-					       ",\"version\":",
-					       s->pid);
-				if (cli->json) {
-					json_str(s->server_version);
-					printf(",\"restored_buffers\":%" PRIu64
-					       ",\"restarts\":%" PRIu64 ",\"ms\":%" PRId64 "}\n",
-					       s->restored_buffers, s->restarts, done - said_yes);
-				} else {
-					printf("upgraded: pid %" PRIu32 ", version ", s->pid);
-					put_text(s->server_version);
-					printf(", %" PRIu64
-					       " buffers restored, serving after %" PRId64 " ms\n",
-					       s->restored_buffers, done - said_yes);
-				}
-				bbc_response_free(r);
-				bb_disconnect(n);
-				return 0;
-			}
-			bbc_response_free(r);
-			bb_disconnect(n);
-			if (!same_pid) {
+			int64_t ms = mono_ms() - said_yes;
+			if (s->pid != pid) {
 				fprintf(stderr,
 					"bufbroker: another daemon (pid %" PRIu32
 					") answers now: pid %" PRIu32 " did not upgrade in place\n",
 					s->pid, pid);
-				return EXIT_DAEMON;
+				err = EXIT_DAEMON;
+			} else if (cli->json) {
+				printf("{\"upgraded\":true,\"pid\":%" PRIu32 ",\"version\":",
+				       s->pid);
+				json_str(s->server_version);
+				printf(",\"restored_buffers\":%" PRIu64 ",\"restarts\":%" PRIu64
+				       ",\"ms\":%" PRId64 "}\n",
+				       s->restored_buffers, s->restarts, ms);
+			} else {
+				printf("upgraded: pid %" PRIu32 ", version ", s->pid);
+				put_text(s->server_version);
+				printf(", %" PRIu64 " buffers restored, serving after %" PRId64
+				       " ms\n",
+				       s->restored_buffers, ms);
 			}
-			if (done - said_yes > UPGRADE_EXEC_MS) {
-				fprintf(stderr,
-					"bufbroker: the daemon accepted the upgrade but still "
-					"runs its old image: its execve failed (see its log, "
-					"event=upgrade_failed)\n");
-				return EXIT_DAEMON;
-			}
-		} else if (n) {
+			bbc_response_free(r);
 			bb_disconnect(n);
+			return err;
+		}
+		bb_disconnect(n);
+		if (mono_ms() - said_yes > UPGRADE_WAIT_MS) {
+			fprintf(stderr, "bufbroker: the daemon did not come back within %d s\n",
+				UPGRADE_WAIT_MS / 1000);
+			return EXIT_UNREACHABLE;
 		}
 		struct timespec ts = {0, 20 * 1000 * 1000};
 		nanosleep(&ts, NULL);
@@ -1708,6 +1696,9 @@ int main(int argc, char **argv)
 	if (rc)
 		return rc;
 
+	/* upgrade watches its connection end: it must not come back. */
+	if (strcmp(cli.command, "upgrade") == 0)
+		setenv("BUFBROKER_RECONNECT", "0", 1);
 	err = bb_connect(cli.socket, &c);
 	if (err)
 		return connect_error(err, cli.socket);
