@@ -39,13 +39,13 @@ extern char **environ;
 #define UPGRADE_ENV_STRING_MAX (32 * 4096)
 
 struct upgrade {
-	upgrade_env env;        /* what is handed over */
-	uv_signal_t sigusr2;    /* SIGUSR2: upgrade to the daemon's own binary */
-	uv_check_t check;       /* after the turn that answered the Upgrade: exec */
-	uv_idle_t idle;         /* while an exec is due: the turn does not block */
-	char path[PATH_MAX];    /* the binary that passed the preflight */
-	bool due;               /* exec at the end of this turn */
-	int closing;            /* handles not yet closed (upgrade_close) */
+	upgrade_env env;     /* what is handed over */
+	uv_signal_t sigusr2; /* SIGUSR2: upgrade to the daemon's own binary */
+	uv_check_t check;    /* after the turn that answered the Upgrade: exec */
+	uv_idle_t idle;      /* while an exec is due: the turn does not block */
+	char path[PATH_MAX]; /* the binary that passed the preflight */
+	bool due;            /* exec at the end of this turn */
+	int closing;         /* handles not yet closed (upgrade_close) */
 };
 
 /* Saved at start: argv and the binary's resolved path. */
@@ -272,8 +272,8 @@ int upgrade_preflight(const char *binary, char *path, size_t path_len, char *why
 	}
 	output_clean(out);
 	if (timed_out) {
-		snprintf(why, len, "%s --check-journal-version did not answer within %d ms",
-			 binary, UPGRADE_PREFLIGHT_MS);
+		snprintf(why, len, "%s --check-journal-version did not answer within %d ms", binary,
+			 UPGRADE_PREFLIGHT_MS);
 		return BB_ERR_UNSUPPORTED;
 	}
 	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !lists_our_version(out)) {
@@ -281,7 +281,8 @@ int upgrade_preflight(const char *binary, char *path, size_t path_len, char *why
 		if (WIFEXITED(status))
 			snprintf(st, sizeof(st), "exit status %d", WEXITSTATUS(status));
 		else
-			snprintf(st, sizeof(st), "signal %d", WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+			snprintf(st, sizeof(st), "signal %d",
+				 WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 		snprintf(why, len,
 			 "%s cannot read this daemon's state journal (layout version %d): "
 			 "--check-journal-version gave %s and said \"%s\"",
@@ -306,10 +307,10 @@ typedef struct handover {
 	char *names;      /* LISTEN_FDNAMES: "name:name:..." */
 	size_t names_len; /* bytes in names */
 	size_t names_cap;
-	int err;          /* the walk failed: an errno */
-	int *orig;        /* fds[] as they were before place_fds */
-	int *flags;       /* their fd flags then */
-	rename_rec *log;  /* renames done, in order */
+	int err;         /* the walk failed: an errno */
+	int *orig;       /* fds[] as they were before place_fds */
+	int *flags;      /* their fd flags then */
+	rename_rec *log; /* renames done, in order */
 	size_t nlog;
 } handover;
 
