@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <inttypes.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -342,6 +343,99 @@ Test(upgrade, keeps_the_pid_and_the_listening_socket_and_never_refuses_a_connect
 		     k.last_errno);
 	cr_assert_eq(k.other, 0, "%ld connects failed (errno %d)", k.other, k.last_errno);
 	cr_assert_gt(k.served, 0);
+	bbt_stop_clean(d);
+}
+
+/* One upgrade: by the CLI when cli, else by SIGUSR2; returns once the new
+ * image serves (the same pid). */
+static void upgrade_once(bbt_daemon *d, bool by_cli)
+{
+	pid_t pid = d->pid;
+	size_t from = bbt_log_size(d);
+	if (by_cli) {
+		cli_run *r = cli(d, "upgrade", NULL);
+		cr_assert_eq(r->rc, 0, "bufbroker upgrade: rc %d: %s%s", r->rc, r->out, r->err);
+		free(r);
+	} else {
+		cr_assert_eq(kill(d->pid, SIGUSR2), 0);
+	}
+	wait_new_image(d, from);
+	cr_assert_eq(kill(pid, 0), 0);
+}
+
+#define SURVIVORS 24
+#define SURVIVOR_BYTES 65536
+
+Test(upgrade, buffers_names_states_contents_and_tokens_survive_upgrades)
+{
+	bbt_daemon *d = start_daemon(true);
+	bb_client *c = bbt_connect(d);
+	bb_buf *b[SURVIVORS];
+	void *p[SURVIVORS];
+	uint64_t id[SURVIVORS];
+	bb_token tok[2];
+	char name[64];
+
+	/* READY buffers with contents, one FAILED with its error, one PENDING
+	 * (its producer, c, is away during the upgrade: the grace period
+	 * keeps it PENDING), a token on buffer 0 per upgrade. */
+	for (int i = 0; i < SURVIVORS; i++) {
+		snprintf(name, sizeof(name), "survivor-%d", i);
+		bb_alloc_opts o = {.size = SURVIVOR_BYTES, .kind = BB_HOST, .name = name};
+		cr_assert_eq(bb_alloc(c, &o, &b[i]), 0);
+		id[i] = bb_id(b[i]);
+		cr_assert_eq(bb_map(b[i], &p[i]), 0);
+		bbt_fill(p[i], SURVIVOR_BYTES, (uint32_t)i);
+		if (i == 1)
+			cr_assert_eq(bb_set_error(b[i], "the producer gave up"), 0);
+		else if (i != 2)
+			cr_assert_eq(bb_set_ready(b[i]), 0);
+	}
+	cr_assert_eq(bb_take(bb_ref(b[0]), &tok[0]), 0);
+	cr_assert_eq(bb_take(bb_ref(b[0]), &tok[1]), 0);
+
+	for (int round = 0; round < 2; round++) {
+		upgrade_once(d, round == 0);
+		bb_client *c2 = bbt_connect(d);
+		cr_assert_eq(bbt_check_problems(c2), 0);
+		for (int i = 0; i < SURVIVORS; i++) {
+			bb_buf *o;
+			bb_info info;
+			void *q;
+			snprintf(name, sizeof(name), "survivor-%d", i);
+			cr_assert_eq(bb_open_name(c2, name, &o), 0, "%s after upgrade %d: %s", name,
+				     round, bb_last_error());
+			cr_assert_eq(bb_id(o), id[i]);
+			cr_assert_eq(bb_stat(c2, id[i], &info), 0);
+			cr_assert_str_eq(info.name, name);
+			cr_assert_eq(info.size, SURVIVOR_BYTES);
+			cr_assert_eq(info.state, i == 1   ? BB_FAILED
+						 : i == 2 ? BB_PENDING
+							  : BB_READY);
+			if (i == 1)
+				cr_assert_str_eq(info.error, "the producer gave up");
+			/* c's count, the tokens not adopted yet, c2's open. */
+			cr_assert_eq(info.refs, 2 + (i == 0 ? 2 - (uint64_t)round : 0),
+				     "buffer %d refs %" PRIu64, i, info.refs);
+			if (i == 1)
+				continue; /* a FAILED buffer is not mapped */
+			cr_assert_eq(bb_map(o, &q), 0);
+			cr_assert(bbt_check(q, SURVIVOR_BYTES, (uint32_t)i), "buffer %d", i);
+			/* The mapping from before is the same memory. */
+			((unsigned char *)q)[0] ^= 0xff;
+			cr_assert_eq(((unsigned char *)p[i])[0], ((unsigned char *)q)[0]);
+			((unsigned char *)q)[0] ^= 0xff;
+			bb_unref(o);
+		}
+		/* A token taken before the upgrade is adopted after it. */
+		bb_buf *a;
+		cr_assert_eq(bb_adopt(c2, &tok[round], &a), 0, "%s", bb_last_error());
+		cr_assert_eq(bb_id(a), id[0]);
+		bb_unref(a);
+		cr_assert_eq(bbt_check_problems(c2), 0);
+		bb_disconnect(c2);
+	}
+	bb_disconnect(c);
 	bbt_stop_clean(d);
 }
 
