@@ -950,38 +950,72 @@ int64_t bbt_refs_until(bb_client *c, uint64_t id, uint64_t want, int timeout_ms)
 	}
 }
 
-int bbt_server_totals(bb_client *c, bbt_totals *out)
+/* ServerStatus: 0 with *resp its answer (free with bbc_response_free), or
+ * the bbc_call / Status error. */
+static int server_status(bb_client *c, Bufbroker__Response **out)
 {
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
 	Bufbroker__Response *resp = NULL;
 
-	memset(out, 0, sizeof(*out));
 	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
 	req.server_status = &ss;
 	int rc = bbc_call(c, &req, -1, &resp, NULL);
 	if (rc != 0)
 		return rc;
-	if (!resp->status || resp->status->code != 0) {
+	if (!resp->status || resp->status->code != 0)
 		rc = resp->status ? resp->status->code : BB_ERR_PROTOCOL;
-	} else if (resp->result_case != BUFBROKER__RESPONSE__RESULT_SERVER_STATUS ||
-		   !resp->server_status) {
+	else if (resp->result_case != BUFBROKER__RESPONSE__RESULT_SERVER_STATUS ||
+		 !resp->server_status)
 		rc = BB_ERR_PROTOCOL;
-	} else {
-		const Bufbroker__ServerStatusReply *s = resp->server_status;
-		for (size_t i = 0; i < s->n_kinds; i++) {
-			out->buffers += s->kinds[i]->buffers;
-			out->bytes += s->kinds[i]->bytes;
-			if (s->kinds[i]->kind == BUFBROKER__KIND__KIND_HOST)
-				out->host_buffers += s->kinds[i]->buffers;
-		}
-		out->connections = s->connections;
-		out->tokens = s->tokens;
-		out->waits = s->waits;
-		out->pid = s->pid;
+	if (rc != 0) {
+		bbc_response_free(resp);
+		return rc;
 	}
+	*out = resp;
+	return 0;
+}
+
+int bbt_server_totals(bb_client *c, bbt_totals *out)
+{
+	Bufbroker__Response *resp = NULL;
+
+	memset(out, 0, sizeof(*out));
+	int rc = server_status(c, &resp);
+	if (rc != 0)
+		return rc;
+	const Bufbroker__ServerStatusReply *s = resp->server_status;
+	for (size_t i = 0; i < s->n_kinds; i++) {
+		out->buffers += s->kinds[i]->buffers;
+		out->bytes += s->kinds[i]->bytes;
+		if (s->kinds[i]->kind == BUFBROKER__KIND__KIND_HOST)
+			out->host_buffers += s->kinds[i]->buffers;
+	}
+	out->connections = s->connections;
+	out->tokens = s->tokens;
+	out->waits = s->waits;
+	out->pid = s->pid;
 	bbc_response_free(resp);
-	return rc;
+	return 0;
+}
+
+int bbt_server_restart(bb_client *c, bbt_restart_info *out)
+{
+	Bufbroker__Response *resp = NULL;
+
+	memset(out, 0, sizeof(*out));
+	int rc = server_status(c, &resp);
+	if (rc != 0)
+		return rc;
+	const Bufbroker__ServerStatusReply *s = resp->server_status;
+	out->restarts = s->restarts;
+	out->restored_buffers = s->restored_buffers;
+	out->absent_sessions = s->absent_sessions;
+	out->journal_bytes = s->journal_bytes;
+	out->restart_protected = s->restart_protected;
+	out->unprotected_buffers = s->unprotected_buffers;
+	bbc_response_free(resp);
+	return 0;
 }
 
 int bbt_check_problems(bb_client *c)

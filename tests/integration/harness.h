@@ -213,6 +213,17 @@ typedef struct bbt_totals {
 } bbt_totals;
 /* 0 or the bbc_call / Status error. */
 int bbt_server_totals(bb_client *c, bbt_totals *out);
+/* ServerStatus's restart fields (protocol 1.3, docs/RESTART.md). */
+typedef struct bbt_restart_info {
+	uint64_t restarts;            /* starts from a kept state */
+	uint64_t restored_buffers;    /* buffers this process rebuilt */
+	uint32_t absent_sessions;     /* restored sessions not resumed yet */
+	uint64_t journal_bytes;       /* 0: journal off */
+	bool restart_protected;       /* journal on and its fds kept */
+	uint64_t unprotected_buffers; /* live buffers whose fd is not stored */
+} bbt_restart_info;
+/* 0 or the bbc_call / Status error. */
+int bbt_server_restart(bb_client *c, bbt_restart_info *out);
 /* The daemon's invariant check (the Check request): the number of
  * problems it found, each of its sentences printed to stderr after
  * "check: ", or the negative bbc_call / Status error. */
