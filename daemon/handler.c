@@ -7,6 +7,7 @@
 #include "handler.h"
 
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,9 +65,26 @@ typedef struct req_ctx {
 	int opc;     /* Request.op_case, for metrics */
 } req_ctx;
 
+/* Tests only (bufbrokerd(8), BUFBROKERD_TEST_CRASH_AFTER=N): the daemon
+ * kills itself after the commit and before the answer of its Nth
+ * state-changing request, so that the exactly-once tests can crash it at
+ * the one point where a client cannot tell whether its request was
+ * applied. 0: off. */
+static uint64_t crash_after, crash_count;
+static bool crash_armed;
+
+static void crash_point(void)
+{
+	if (__builtin_expect(crash_armed, 0)) {
+		log_warn("event=test_crash_point request=%llu", (unsigned long long)crash_count);
+		raise(SIGKILL);
+	}
+}
+
 /* Send a response that is just a status. */
 static void send_status(session *c, uint64_t req_id, int code, const char *msg)
 {
+	crash_point();
 	Bufbroker__Response r = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
 	st.code = code;
@@ -132,6 +150,7 @@ static void reply(req_ctx *r, Bufbroker__Response *resp, int fd)
 	metrics_answered(r->c->h->counters, r->opc, BB_OK);
 	if (r->quiet)
 		return;
+	crash_point();
 	st.message = "";
 	resp->id = r->id;
 	resp->status = &st;
@@ -1105,6 +1124,8 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 
 	if (c->bc && changes_state(req->op_case)) {
 		broker_applied done;
+		if (crash_after && ++crash_count == crash_after)
+			crash_armed = true;
 		if (broker_conn_applied(c->h->b, c->bc, req->id, &done)) {
 			/* Sent again after a resume, and applied before the
 			 * restart: answered, not applied twice. */
@@ -1168,6 +1189,7 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 		reply_error(&r, BB_ERR_PROTOCOL, "unknown or missing op");
 		break;
 	}
+	crash_point(); /* a no_reply request, or a parked one */
 }
 
 /* ---- sessions ------------------------------------------------------------------ */
@@ -1253,6 +1275,13 @@ handler *handler_new(uv_loop_t *loop, const snapshot_sources *src, park *park,
 	h->park = park;
 	h->counters = counters;
 	h->max_datagram = max_datagram;
+	const char *crash = getenv("BUFBROKERD_TEST_CRASH_AFTER");
+	if (crash && crash[0]) {
+		crash_after = strtoull(crash, NULL, 10);
+		log_warn("event=test_crash_point_set after=%llu (BUFBROKERD_TEST_CRASH_AFTER: "
+			 "tests only)",
+			 (unsigned long long)crash_after);
+	}
 	uv_timer_init(loop, &h->token_timer);
 	h->token_timer.data = h;
 	return h;
