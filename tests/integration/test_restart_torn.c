@@ -44,7 +44,7 @@ TestSuite(restart_torn, .fini = bbt_cleanup, .timeout = 600);
 #define EXTENTS 32
 #define COMMIT_OFF 2048
 #define COMMIT_COPY 128
-#define COMMIT_CHECKED 88 /* the commit's fields; the rest of its copy is padding */
+#define COMMIT_CHECKED 96 /* the commit's fields (protocol 1.3: 12 words); the rest is padding */
 #define BIG_COPY 512
 #define SMALL_COPY 96
 
