@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -181,14 +182,18 @@ int main(void)
 	const char *e = getenv("LISTEN_FDS");
 	int nfds = e ? atoi(e) : 0;
 	int stray = 0;
+	/* valgrind keeps its own fds at and above the soft limit it shows. */
+	struct rlimit rl;
+	long top = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (long)rl.rlim_cur : 1L << 30;
 	DIR *dp = opendir("/proc/self/fd");
 	if (dp) {
 		int self = dirfd(dp);
 		struct dirent *d;
-		while ((d = readdir(dp)))
-			if (d->d_name[0] != '.' && atoi(d->d_name) >= 3 + nfds &&
-			    atoi(d->d_name) != self)
+		while ((d = readdir(dp))) {
+			long fd = strtol(d->d_name, NULL, 10);
+			if (d->d_name[0] != '.' && fd >= 3 + nfds && fd != self && fd < top)
 				stray++;
+		}
 		closedir(dp);
 	}
 	char line[4096];

@@ -121,40 +121,46 @@ static int daemon_argv(const bbt_daemon *d, const char **argv)
 	return argc;
 }
 
+/* In a forked child of parent: stdin /dev/null, stdout and stderr to d's
+ * log, no other fd, dies with parent, default signals, none of systemd's
+ * variables; exec argv. Never returns. */
+static void exec_child(const bbt_daemon *d, pid_t parent, const char *const *argv)
+{
+	int log = open(d->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+	int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	sigset_t all;
+	if (log < 0 || null < 0)
+		_exit(126);
+	dup2(null, 0);
+	dup2(log, 1);
+	dup2(log, 2);
+	close_range(3, ~0U, 0);
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	if (getppid() != parent)
+		_exit(125);
+	sigemptyset(&all);
+	sigprocmask(SIG_SETMASK, &all, NULL);
+	signal(SIGPIPE, SIG_DFL);
+	signal(SIGTERM, SIG_DFL);
+	signal(SIGINT, SIG_DFL);
+	unsetenv("LISTEN_FDS");
+	unsetenv("LISTEN_PID");
+	unsetenv("LISTEN_FDNAMES");
+	unsetenv("NOTIFY_SOCKET");
+	execv(argv[0], (char *const *)argv);
+	_exit(127);
+}
+
 static pid_t spawn_daemon(bbt_daemon *d)
 {
 	const char *argv[BBT_MAX_ARGS + 8];
 	pid_t parent = getpid();
 
 	daemon_argv(d, argv);
-	const char *exe = argv[0];
 	pid_t pid = fork();
 	cr_assert(pid >= 0, "fork: %s", strerror(errno));
-	if (pid == 0) {
-		int log = open(d->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-		int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
-		sigset_t all;
-		if (log < 0 || null < 0)
-			_exit(126);
-		dup2(null, 0);
-		dup2(log, 1);
-		dup2(log, 2);
-		close_range(3, ~0U, 0);
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(125);
-		sigemptyset(&all);
-		sigprocmask(SIG_SETMASK, &all, NULL);
-		signal(SIGPIPE, SIG_DFL);
-		signal(SIGTERM, SIG_DFL);
-		signal(SIGINT, SIG_DFL);
-		unsetenv("LISTEN_FDS");
-		unsetenv("LISTEN_PID");
-		unsetenv("LISTEN_FDNAMES");
-		unsetenv("NOTIFY_SOCKET");
-		execv(exe, (char *const *)argv);
-		_exit(127);
-	}
+	if (pid == 0)
+		exec_child(d, parent, argv);
 	return pid;
 }
 
@@ -591,31 +597,8 @@ static void sd_launch(bbt_daemon *d, const char *const *argv, bool wait_ready)
 	pid_t parent = getpid();
 	pid_t pid = fork();
 	cr_assert(pid >= 0, "fork: %s", strerror(errno));
-	if (pid == 0) {
-		int log = open(d->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-		int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
-		sigset_t all;
-		if (log < 0 || null < 0)
-			_exit(126);
-		dup2(null, 0);
-		dup2(log, 1);
-		dup2(log, 2);
-		close_range(3, ~0U, 0);
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(125);
-		sigemptyset(&all);
-		sigprocmask(SIG_SETMASK, &all, NULL);
-		signal(SIGPIPE, SIG_DFL);
-		signal(SIGTERM, SIG_DFL);
-		signal(SIGINT, SIG_DFL);
-		unsetenv("LISTEN_FDS");
-		unsetenv("LISTEN_PID");
-		unsetenv("LISTEN_FDNAMES");
-		unsetenv("NOTIFY_SOCKET");
-		execv(fakesd, (char *const *)args);
-		_exit(127);
-	}
+	if (pid == 0)
+		exec_child(d, parent, args);
 	d->sd_pid = pid;
 	bbt_sd_state st;
 	if (wait_ready) {
@@ -752,8 +735,10 @@ int bbt_sd_journal_fd(const bbt_daemon *d)
 	const char *newest = NULL;
 	unsigned long best = 0;
 	for (int i = 0; i < n; i++) {
+		if (strncmp(names[i], "journal-", 8) != 0)
+			continue;
 		unsigned long g = strtoul(names[i] + 8, NULL, 10);
-		if (!strncmp(names[i], "journal-", 8) && (!newest || g > best)) {
+		if (!newest || g > best) {
 			best = g;
 			newest = names[i];
 		}

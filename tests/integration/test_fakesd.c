@@ -151,6 +151,19 @@ static void status_of(const bbt_daemon *d, bbt_sd_state *st)
 	cr_assert_eq(rc, 0, "bbt_sd_status: %d", rc);
 }
 
+/* Poll until the service has ended (state dead). */
+static void dead_until(const bbt_daemon *d, bbt_sd_state *st)
+{
+	int64_t deadline = bbt_now_ms() + bbt_ms(5000);
+	do {
+		status_of(d, st);
+		if (!strcmp(st->state, "dead"))
+			break;
+		bbt_sleep_ms(5);
+	} while (bbt_now_ms() < deadline);
+	cr_assert_str_eq(st->state, "dead");
+}
+
 Test(fakesd, the_first_start_gets_the_socket_and_the_notify_socket)
 {
 	toy t;
@@ -282,14 +295,7 @@ Test(fakesd, a_clean_exit_ends_the_service_and_empties_the_store)
 	toy_cmd(&t, "store a A1");
 	const char *ex = "exit 0";
 	cr_assert_eq(bbt_send(t.conn, ex, strlen(ex)), 0);
-	int64_t deadline = bbt_now_ms() + bbt_ms(5000);
-	do {
-		status_of(t.d, &st);
-		if (!strcmp(st.state, "dead"))
-			break;
-		bbt_sleep_ms(5);
-	} while (bbt_now_ms() < deadline);
-	cr_assert_str_eq(st.state, "dead");
+	dead_until(t.d, &st);
 	cr_assert_eq(st.stored, 0);
 	cr_assert_eq(st.pid, -1);
 	/* Not relaunched: well past RestartSec, still the first start. */
@@ -305,14 +311,7 @@ Test(fakesd, sigterm_is_a_clean_end_too)
 	bbt_sd_state st;
 	toy_start(&t);
 	cr_assert_eq(kill(t.d->pid, SIGTERM), 0);
-	int64_t deadline = bbt_now_ms() + bbt_ms(5000);
-	do {
-		status_of(t.d, &st);
-		if (!strcmp(st.state, "dead"))
-			break;
-		bbt_sleep_ms(5);
-	} while (bbt_now_ms() < deadline);
-	cr_assert_str_eq(st.state, "dead");
+	dead_until(t.d, &st);
 	cr_assert_eq(st.gen, 1);
 	toy_end(&t);
 }
