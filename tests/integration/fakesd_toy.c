@@ -2,7 +2,7 @@
 /*
  * A toy Type=notify service for test_fakesd: it talks to its manager with
  * libsystemd's own sd_pid_notify_with_fds, as bufbrokerd does, and to the
- * test over the SOCK_SEQPACKET socket named by $TOY_CTL.
+ * test over the SOCK_SEQPACKET socket named by $TOY_CTL ("@name": abstract).
  *
  * At start, before it opens anything, it reports what it was handed, one
  * datagram: "pid=P listen_pid=L listen_fds=N names=NAMES fdstore=M
@@ -27,6 +27,7 @@
 #endif
 #include <dirent.h>
 #include <fcntl.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -202,8 +203,13 @@ int main(void)
 	int ctl = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (!path || strlen(path) >= sizeof(a.sun_path) || ctl < 0)
 		return 3;
-	strcpy(a.sun_path, path);
-	if (connect(ctl, (struct sockaddr *)&a, sizeof(a)) < 0)
+	/* "@name": the abstract socket name. */
+	size_t len = strlen(path);
+	memcpy(a.sun_path, path, len);
+	if (path[0] == '@')
+		a.sun_path[0] = '\0';
+	if (connect(ctl, (struct sockaddr *)&a,
+		    (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len)) < 0)
 		return 3;
 	report(ctl, nfds, stray);
 	for (;;) {
