@@ -24,6 +24,7 @@
 #endif
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -349,7 +350,11 @@ static void chaos_run(const chaos_opts *o)
 	}
 
 	/* The baseline, before any client: the daemon's fds but memfds, the
-	 * memfds (the journal), RSS. */
+	 * memfds (the journal), RSS; once the connection that bbt_start made
+	 * to see the socket accept is closed (ours is the one left). */
+	bbt_totals tot0;
+	cr_assert(bbt_totals_until_idle(c, 1, 10000, &tot0), "%u connections at the start",
+		  tot0.connections);
 	int fds0 = bbt_daemon_fds(d), memfds0 = bbt_daemon_memfds(d);
 	long rss0 = bbt_daemon_rss_kb(d);
 	cr_assert(fds0 > 0 && memfds0 >= 0 && rss0 > 0);
@@ -514,5 +519,50 @@ static void disrupt_crash(bbt_daemon *d, void *arg)
 Test(restart_chaos, clients_carry_on_across_20_crashes)
 {
 	chaos_opts o = {.disrupt = disrupt_crash, .under_sd = true};
+	chaos_run(&o);
+}
+
+/* The planned upgrade (docs/RESTART.md, "Planned upgrade by execve"):
+ * `bufbroker upgrade` on even rounds, SIGUSR2 on odd ones; returns once the
+ * new image (the same pid) serves. No systemd: the daemon hands its fds to
+ * itself. */
+static void disrupt_upgrade(bbt_daemon *d, void *arg)
+{
+	static const char *const upgraded[] = {"event=upgraded", NULL};
+	static const char *const listening[] = {"event=listening", NULL};
+	int *round = arg;
+	pid_t pid = d->pid;
+	size_t from = bbt_log_size(d);
+	if ((*round)++ % 2 == 0) {
+		const char *cli = getenv("BUFBROKER_CLI");
+		cr_assert(cli && cli[0], "BUFBROKER_CLI must name the built bufbroker");
+		fflush(NULL);
+		pid_t p = fork();
+		cr_assert(p >= 0);
+		if (p == 0) {
+			int null = open("/dev/null", O_WRONLY);
+			dup2(null, 1);
+			execl(cli, cli, "--socket", d->sock, "upgrade", (char *)NULL);
+			_exit(127);
+		}
+		int rc = bbt_join(p, 60000);
+		cr_assert_eq(rc, 0, "bufbroker upgrade: exit %d", rc);
+	} else {
+		cr_assert_eq(kill(d->pid, SIGUSR2), 0);
+	}
+	if (!bbt_log_wait_line(d, from, 30000, upgraded) ||
+	    !bbt_log_wait_line(d, from, 30000, listening)) {
+		bbt_dump_log(d);
+		cr_assert_fail("the new image did not start");
+	}
+	cr_assert_eq(d->pid, pid);
+	cr_assert_eq(kill(pid, 0), 0);
+}
+
+Test(restart_chaos, clients_carry_on_across_20_upgrades)
+{
+	static const char *const extra[] = {"--restart", NULL};
+	int round = 0;
+	chaos_opts o = {.disrupt = disrupt_upgrade, .arg = &round, .extra = extra};
 	chaos_run(&o);
 }
