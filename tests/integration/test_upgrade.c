@@ -439,6 +439,70 @@ Test(upgrade, buffers_names_states_contents_and_tokens_survive_upgrades)
 	bbt_stop_clean(d);
 }
 
+/* A worker's connection across an upgrade: the library reconnects and
+ * resumes its session; its counts, the PENDING buffer it produces and a
+ * wait parked on it by another process come back; its mappings never
+ * went. */
+static int waiter(void *arg)
+{
+	const bbt_daemon *d = arg;
+	bb_client *c;
+	bb_buf *b;
+	bb_state st = BB_PENDING;
+	if (bb_connect(d->sock, &c) || bb_open_name(c, "resumed-pending", &b))
+		return 2;
+	int rc = bb_wait(b, bbt_ms(30000), &st);
+	bb_unref(b);
+	bb_disconnect(c);
+	return rc == 0 && st == BB_READY ? 0 : 3;
+}
+
+Test(upgrade, clients_resume_their_sessions_across_it)
+{
+	bbt_daemon *d = start_daemon(true);
+	bb_client *c = bbt_connect(d), *watch = bbt_connect(d);
+	bb_buf *ready, *pending;
+	void *p, *q;
+	bb_alloc_opts o = {.size = 8192, .kind = BB_HOST, .name = "resumed-ready"};
+	cr_assert_eq(bb_alloc(c, &o, &ready), 0);
+	cr_assert_eq(bb_map(ready, &p), 0);
+	bbt_fill(p, 8192, 7);
+	cr_assert_eq(bb_set_ready(ready), 0);
+	cr_assert_eq(bb_retain(c, bb_id(ready), 2), 0);
+	o.name = "resumed-pending";
+	cr_assert_eq(bb_alloc(c, &o, &pending), 0);
+	cr_assert_eq(bb_map(pending, &q), 0);
+	pid_t w = bbt_spawn(waiter, d);
+	uint64_t last;
+	cr_assert(bbt_waits_until(watch, 1, 10000, &last), "the wait is not parked (%llu)",
+		  (unsigned long long)last);
+
+	for (int round = 0; round < 2; round++) {
+		upgrade_once(d, round == 0);
+		/* The same client, without a word from the test: its counts. */
+		cr_assert_eq(bb_retain(c, bb_id(ready), 1), 0, "%s", bb_last_error());
+		cr_assert_eq(bb_release(c, bb_id(ready), 1), 0, "%s", bb_last_error());
+		cr_assert_eq(bbt_refs(c, bb_id(ready)), 3);
+		cr_assert_eq(bb_client_resumes(c), (uint64_t)round + 1);
+		cr_assert(bbt_check(p, 8192, 7));
+	}
+	/* Still PENDING and still its: the producer finishes it, and the
+	 * waiter (its wait sent again after each resume) sees READY. */
+	bb_info info;
+	cr_assert_eq(bb_stat(c, bb_id(pending), &info), 0);
+	cr_assert_eq(info.state, BB_PENDING);
+	bbt_fill(q, 8192, 8);
+	cr_assert_eq(bb_set_ready(pending), 0, "%s", bb_last_error());
+	cr_assert_eq(bbt_join(w, 30000), 0, "the waiter");
+	cr_assert_eq(bbt_check_problems(c), 0);
+	cr_assert_eq(bb_release(c, bb_id(ready), 2), 0);
+	bb_unref(ready);
+	bb_unref(pending);
+	bb_disconnect(watch);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
 Test(upgrade, a_binary_that_fails_the_preflight_is_refused_with_its_output)
 {
 	bbt_daemon *d = start_daemon(true);
