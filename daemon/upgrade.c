@@ -247,7 +247,7 @@ int upgrade_preflight(const char *binary, char *path, size_t path_len, char *why
 {
 	char out[UPGRADE_OUTPUT_MAX];
 	int status = 0;
-	bool timed_out;
+	bool timed_out = false;
 
 	if (!binary || !binary[0])
 		binary = g_self;
@@ -263,7 +263,12 @@ int upgrade_preflight(const char *binary, char *path, size_t path_len, char *why
 		snprintf(why, len, "the binary's path is too long");
 		return BB_ERR_INVALID;
 	}
-	int err = spawn_check(binary, out, sizeof(out), &status, &timed_out);
+	/* Asked first: posix_spawn reports a failed exec as its result only
+	 * where the child shares its memory until the exec (glibc's vfork-like
+	 * clone); elsewhere (valgrind) the child just exits 127. */
+	int err = access(binary, X_OK) < 0 ? errno : 0;
+	if (!err)
+		err = spawn_check(binary, out, sizeof(out), &status, &timed_out);
 	if (err && !timed_out) {
 		snprintf(why, len, "cannot execute %s: %s", binary, strerror(err));
 		return err == ENOENT || err == EACCES || err == ENOEXEC || err == ENOTDIR

@@ -1143,13 +1143,13 @@ static int cmd_upgrade(bb_client *c, const struct cli *cli)
 	req.op_case = BUFBROKER__REQUEST__OP_UPGRADE;
 	req.upgrade = &op;
 	err = bbc_call(c, &req, -1, &r, NULL);
-	if (!err && (!r->status || r->status->code != 0)) {
+	if (!err) {
 		const char *msg = r->status ? r->status->message : "";
-		err = bbc_fail(r->status ? r->status->code : BB_ERR_PROTOCOL, "%s",
-			       msg && *msg ? msg : "the daemon's answer has no status");
-	}
-	if (!err)
+		if (!r->status || r->status->code != 0)
+			err = bbc_fail(r->status ? r->status->code : BB_ERR_PROTOCOL, "%s",
+				       msg && *msg ? msg : "the daemon's answer has no status");
 		bbc_response_free(r);
+	}
 	if (err == BB_ERR_PROTOCOL && strstr(bb_last_error(), "unknown or missing op")) {
 		fprintf(stderr,
 			"bufbroker: the daemon does not support 'upgrade' (it needs protocol %d.3 "

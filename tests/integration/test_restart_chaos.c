@@ -270,6 +270,7 @@ typedef struct chaos_opts {
 	void *arg;
 	bool under_sd;            /* the daemon under the systemd stand-in (bbt_start_sd) */
 	const char *const *extra; /* more daemon arguments */
+	bool execs;               /* the disruption re-executes the same process */
 } chaos_opts;
 
 static int env_int(const char *name, int dflt, int lo, int hi)
@@ -465,8 +466,12 @@ static void chaos_run(const chaos_opts *o)
 	 * journal (as at the start) and the reuse pool, which holds no
 	 * bytes: all memfd bytes are the journal's. */
 	int fds = bbt_daemon_fds(d), memfds = bbt_daemon_memfds(d);
-	cr_assert_eq(fds - memfds, fds0 - memfds0, "fds other than memfds: %d, at the start %d",
-		     fds - memfds, fds0 - memfds0);
+	/* valgrind keeps descriptors of its own in the client's range across
+	 * the daemon's execve (an upgrade): not counted exactly there. */
+	if (!(o->execs && getenv("BBT_VALGRIND")))
+		cr_assert_eq(fds - memfds, fds0 - memfds0,
+			     "fds other than memfds: %d, at the start %d", fds - memfds,
+			     fds0 - memfds0);
 	cr_assert_leq(memfds, memfds0 + BBT_HOST_POOL_MAX);
 	cr_assert_eq(bbt_server_restart(c, &ri), 0);
 	cr_assert_eq(ri.absent_sessions, 0);
@@ -563,6 +568,6 @@ Test(restart_chaos, clients_carry_on_across_20_upgrades)
 {
 	static const char *const extra[] = {"--restart", NULL};
 	int round = 0;
-	chaos_opts o = {.disrupt = disrupt_upgrade, .arg = &round, .extra = extra};
+	chaos_opts o = {.disrupt = disrupt_upgrade, .arg = &round, .extra = extra, .execs = true};
 	chaos_run(&o);
 }
