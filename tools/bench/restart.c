@@ -149,7 +149,7 @@ void scenario_restart(const bench_opts *o)
 {
 	const char *path = o->rt.journal_socket;
 	uint64_t want = o->quick ? RESTART_BUFFERS_QUICK : RESTART_BUFFERS, have = 0, id = 0;
-	char err[300] = "", why[200];
+	char err[160] = "", why[256];
 	bb_client *c = NULL;
 	Bufbroker__Response *r;
 	int ch[2] = {-1, -1};
@@ -190,7 +190,7 @@ void scenario_restart(const bench_opts *o)
 	 * daemon's default, run.sh's --cuda-handle vmm; no fd each), as the
 	 * scale series does, when the daemon serves CUDA. */
 	uint64_t host = have;
-	char capped[240] = "";
+	char capped[256] = "";
 	for (; o->cuda && have < want; have++)
 		if ((rc = bench_raw_alloc(c, BB_CUDA, 256, &id, err, sizeof(err))))
 			break;
