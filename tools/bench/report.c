@@ -74,6 +74,11 @@ static double metric(const char *name, int which)
 static double result_ratio(const result *r, const char **against)
 {
 	*against = "";
+	if (!strcmp(r->group, "roundtrip") && !strcmp(r->system, "journal")) {
+		/* Paired repetition by repetition with the journal-off daemon. */
+		*against = "ops_vs_journal_off";
+		return r->r_base;
+	}
 	if (!strcmp(r->group, "local") && !strcmp(r->system, "bufbroker")) {
 		*against = "vs_atomic";
 		return r->r_base; /* paired repetition by repetition */
