@@ -1115,10 +1115,42 @@ static int server_status(bb_client *c, Bufbroker__Response **out)
 	return cli_call(c, &req, BUFBROKER__RESPONSE__RESULT_SERVER_STATUS, out);
 }
 
-/* Ask for the upgrade, then wait: first for the old image to go (it
- * answers, then re-executes, and this connection, close-on-exec, ends),
- * then for the new one (the same pid) to answer a new connection. c must
- * not reconnect on its own (main turns that off for upgrade). */
+/* The first answer of the new image, r (freed here): report it. */
+static int upgrade_done(const struct cli *cli, Bufbroker__Response *r, uint32_t pid,
+			int64_t said_yes)
+{
+	const Bufbroker__ServerStatusReply *s = r->server_status;
+	int64_t ms = mono_ms() - said_yes;
+	int rc = 0;
+
+	if (s->pid != pid) {
+		fprintf(stderr,
+			"bufbroker: another daemon (pid %" PRIu32 ") answers now: pid %" PRIu32
+			" did not upgrade in place\n",
+			s->pid, pid);
+		rc = EXIT_DAEMON;
+	} else if (cli->json) {
+		printf("{\"upgraded\":true,\"pid\":%" PRIu32 ",\"version\":", s->pid);
+		json_str(s->server_version);
+		printf(",\"restored_buffers\":%" PRIu64 ",\"restarts\":%" PRIu64 ",\"ms\":%" PRId64
+		       "}\n",
+		       s->restored_buffers, s->restarts, ms);
+	} else {
+		printf("upgraded: pid %" PRIu32 ", version ", s->pid);
+		put_text(s->server_version);
+		printf(", %" PRIu64 " buffers restored, serving after %" PRId64 " ms\n",
+		       s->restored_buffers, ms);
+	}
+	bbc_response_free(r);
+	return rc;
+}
+
+/* Ask for the upgrade, then wait for the new image (the same pid) to
+ * answer. The old image answers, then re-executes: this connection
+ * (close-on-exec) ends, and the library resumes its session with the new
+ * image, which proves the upgrade (the session is then closed at once,
+ * leaving nothing absent for the grace period). Without a resume (a
+ * library or daemon that keeps no sessions), a new connection is asked. */
 static int cmd_upgrade(bb_client *c, const struct cli *cli)
 {
 	Bufbroker__Upgrade op = BUFBROKER__UPGRADE__INIT;
@@ -1162,7 +1194,10 @@ static int cmd_upgrade(bb_client *c, const struct cli *cli)
 	int64_t said_yes = mono_ms();
 
 	/* The old image re-executes at the end of the turn that answered. */
+	uint64_t resumes = bb_client_resumes(c);
 	while (server_status(c, &r) == 0) {
+		if (bb_client_resumes(c) > resumes)
+			return upgrade_done(cli, r, pid, said_yes);
 		bbc_response_free(r);
 		if (mono_ms() - said_yes > UPGRADE_EXEC_MS) {
 			fprintf(stderr, "bufbroker: the daemon accepted the upgrade but still runs "
@@ -1176,29 +1211,7 @@ static int cmd_upgrade(bb_client *c, const struct cli *cli)
 	for (;;) {
 		bb_client *n = NULL;
 		if (bb_connect(cli->socket, &n) == 0 && server_status(n, &r) == 0) {
-			const Bufbroker__ServerStatusReply *s = r->server_status;
-			int64_t ms = mono_ms() - said_yes;
-			if (s->pid != pid) {
-				fprintf(stderr,
-					"bufbroker: another daemon (pid %" PRIu32
-					") answers now: pid %" PRIu32 " did not upgrade in place\n",
-					s->pid, pid);
-				err = EXIT_DAEMON;
-			} else if (cli->json) {
-				printf("{\"upgraded\":true,\"pid\":%" PRIu32 ",\"version\":",
-				       s->pid);
-				json_str(s->server_version);
-				printf(",\"restored_buffers\":%" PRIu64 ",\"restarts\":%" PRIu64
-				       ",\"ms\":%" PRId64 "}\n",
-				       s->restored_buffers, s->restarts, ms);
-			} else {
-				printf("upgraded: pid %" PRIu32 ", version ", s->pid);
-				put_text(s->server_version);
-				printf(", %" PRIu64 " buffers restored, serving after %" PRId64
-				       " ms\n",
-				       s->restored_buffers, ms);
-			}
-			bbc_response_free(r);
+			err = upgrade_done(cli, r, pid, said_yes);
 			bb_disconnect(n);
 			return err;
 		}
@@ -1696,9 +1709,6 @@ int main(int argc, char **argv)
 	if (rc)
 		return rc;
 
-	/* upgrade watches its connection end: it must not come back. */
-	if (strcmp(cli.command, "upgrade") == 0)
-		setenv("BUFBROKER_RECONNECT", "0", 1);
 	err = bb_connect(cli.socket, &c);
 	if (err)
 		return connect_error(err, cli.socket);

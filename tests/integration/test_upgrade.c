@@ -41,10 +41,14 @@ extern char **environ;
 TestSuite(upgrade, .fini = bbt_cleanup, .timeout = 240);
 
 /* A daemon with the state journal on (or off), its socket and directory
- * open to other uids. */
+ * open to other uids. A client that sits out an upgrade keeps its session
+ * for the grace period: a long one here, so that a slow run (valgrind)
+ * does not release what the test holds through an idle client. */
 static bbt_daemon *start_daemon(bool journal)
 {
-	static const char *const on[] = {"--restart", "--no-cuda", "--socket-mode", "0666", NULL};
+	static const char *const on[] = {"--restart", "--restart-grace", "600000",
+					 "--no-cuda", "--socket-mode",   "0666",
+					 NULL};
 	static const char *const off[] = {"--no-cuda", "--socket-mode", "0666", NULL};
 	bbt_daemon *d = bbt_start(journal ? on : off);
 	cr_assert_eq(chmod(d->dir, 0755), 0);
