@@ -134,6 +134,7 @@ static void client_free(bb_client *c)
 	if (c->sock >= 0)
 		close(c->sock);
 	free(c->rbuf);
+	free(c->rels);
 	pthread_cond_destroy(&c->cv);
 	pthread_mutex_destroy(&c->send_mu);
 	pthread_mutex_destroy(&c->mu);
@@ -175,6 +176,12 @@ static int client_hello(bb_client *c, const char *path)
 		return rc;
 	hr = r->hello;
 	c->proto_minor = hr->version_minor;
+	if (hr->session_id && hr->session_secret.len == sizeof(c->secret)) {
+		/* The daemon keeps its state across restarts: this session can
+		 * be resumed. */
+		c->session = hr->session_id;
+		memcpy(c->secret, hr->session_secret.data, sizeof(c->secret));
+	}
 	if (hr->version_major != BB_PROTO_MAJOR) {
 		rc = bbc_fail(BB_ERR_PROTOCOL,
 			      "bufbrokerd at %s speaks protocol %u.%u; this library speaks %d.%d",
@@ -201,6 +208,7 @@ BB_EXPORT int bb_connect(const char *path, bb_client **out)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	char dflt[4096], eb[128];
+	const char *env;
 	bb_client *c;
 	size_t len;
 	int rc;
@@ -224,6 +232,11 @@ BB_EXPORT int bb_connect(const char *path, bb_client **out)
 		return bbc_fail(BB_ERR_NO_MEMORY, "out of memory for a client");
 	c->sock = -1;
 	c->next_id = 1;
+	memcpy(c->path, path, len + 1);
+	env = getenv("BUFBROKER_RECONNECT");
+	c->env_enabled = !(env && strcmp(env, "0") == 0);
+	c->ropts.enabled = c->env_enabled;
+	bbc_reconnect_defaults(&c->ropts);
 	c->max_send = BB_MAX_DATAGRAM;
 	c->rcap = BB_MAX_DATAGRAM;
 	pthread_mutex_init(&c->mu, NULL);
@@ -278,4 +291,44 @@ BB_EXPORT void bb_disconnect(bb_client *c)
 {
 	if (c)
 		client_free(c);
+}
+
+BB_EXPORT int bb_client_set_reconnect(bb_client *c, const bb_reconnect_opts *opts)
+{
+	bb_reconnect_opts o = {0};
+
+	if (!c)
+		return bbc_fail(BB_ERR_INVALID, "bb_client_set_reconnect: client is required");
+	if (opts) {
+		o = *opts;
+		for (size_t i = 0; i < sizeof(o.reserved) / sizeof(o.reserved[0]); i++)
+			if (o.reserved[i])
+				return bbc_fail(
+					BB_ERR_INVALID,
+					"bb_client_set_reconnect: reserved fields must be 0");
+		o.enabled = o.enabled != 0;
+	} else {
+		o.enabled = c->env_enabled;
+	}
+	bbc_reconnect_defaults(&o);
+	if (o.backoff_ms > o.max_backoff_ms)
+		return bbc_fail(BB_ERR_INVALID,
+				"bb_client_set_reconnect: backoff_ms %u is above max_backoff_ms %u",
+				o.backoff_ms, o.max_backoff_ms);
+	pthread_mutex_lock(&c->mu);
+	c->ropts = o;
+	pthread_mutex_unlock(&c->mu);
+	return 0;
+}
+
+BB_EXPORT uint64_t bb_client_resumes(const bb_client *c)
+{
+	uint64_t n;
+
+	if (!c)
+		return 0;
+	pthread_mutex_lock((pthread_mutex_t *)&c->mu);
+	n = c->resumes;
+	pthread_mutex_unlock((pthread_mutex_t *)&c->mu);
+	return n;
 }

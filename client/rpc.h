@@ -21,6 +21,7 @@
 #define BB_EXPORT __attribute__((visibility("default")))
 
 struct call;
+struct unproven;
 struct bb_buf;
 struct vmm_fd;
 struct daemon_rec;
@@ -45,6 +46,21 @@ struct bb_client {
 	struct daemon_rec *drec; /* its record, or NULL (connect.c) */
 	struct bb_client *dprev, *dnext; /* drec's connections (connect.c) */
 	struct vmm_fd *vmm_fds;          /* VMM allocations' fds by allocation (vmm_fd.c, uthash) */
+
+	/* Session resume across a daemon restart (docs/RESTART.md): */
+	char path[108];   /* the socket it connected to */
+	uint64_t session; /* HelloReply.session_id; 0: the daemon keeps no state */
+	unsigned char secret[BB_TOKEN_SIZE]; /* HelloReply.session_secret */
+	bb_reconnect_opts ropts;             /* in force (defaults filled in) */
+	int env_enabled;                     /* BUFBROKER_RECONNECT at bb_connect: not "0" */
+	int broken;                          /* the connection broke; a resume is due */
+	int fixing;                          /* a thread is resuming (no one else reads) */
+	char broken_msg[192];                /* why it broke */
+	uint64_t gen;                        /* the connection's generation: +1 per resume */
+	uint64_t resumes;                    /* sessions resumed */
+	uint64_t send_seq;                   /* requests put on the wire (send_mu) */
+	struct unproven *rels;               /* fire-and-forget Releases not proven read */
+	size_t nrels, caprels;
 };
 
 /* A thread-safe strerror: the message for errno value err, in buf (len
@@ -65,6 +81,9 @@ int bbc_fail_dead(const bb_client *c);
  * and nothing to free or close. */
 int bbc_rpc(bb_client *c, Bufbroker__Request *req, int fd, Bufbroker__Response__ResultCase want,
 	    Bufbroker__Response **resp, int *fd_in);
+
+/* Fill in the defaults of o's zero fields (enabled is left as it is). */
+void bbc_reconnect_defaults(bb_reconnect_opts *o);
 
 /* Retain (release 0) or Release (release 1) count references to id and
  * wait for the daemon's answer: 0, or BB_ERR_* with the last error set.

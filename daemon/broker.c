@@ -123,6 +123,13 @@ typedef struct conn_allocation {
 	UT_hash_handle hh;   /* in broker_conn.allocations */
 } conn_allocation;
 
+/* One place of a session's result ring (journal on): the answer of the
+ * result-bearing request whose id mod JOURNAL_RESULT_RING it is. */
+typedef struct conn_result {
+	journal_result r; /* request 0: none yet */
+	uint32_t jslot;   /* its journal record's slot */
+} conn_result;
+
 struct broker_conn {
 	uint32_t uid, gid, pid;       /* SO_PEERCRED */
 	uint32_t minor;               /* protocol minor version of its Hello */
@@ -144,6 +151,9 @@ struct broker_conn {
 	uint64_t grace_ms;            /* absent: released at this broker time */
 	idmap jholds;                 /* journal on: item a held buffer, value its hold's slot */
 	uint32_t jslot;               /* its session record's slot */
+	bool resumed;                 /* a client resumed it: resent ids are checked */
+	unsigned char secret[BB_TOKEN_SIZE]; /* resumes it (journal on) */
+	conn_result *results;                /* journal on: the result ring */
 };
 
 struct broker {
@@ -425,6 +435,7 @@ static void jput_session(broker *b, broker_conn *conn)
 		.minor = conn->minor,
 		.grace_ms = conn->absent ? conn->grace_ms : 0,
 	};
+	memcpy(r.secret, conn->secret, sizeof(r.secret));
 	jbegin(b);
 	jcheck(b, journal_put_session(b->j, &conn->jslot, &r));
 }
@@ -463,14 +474,48 @@ static void jput_token(broker *b, token *t)
 	jcheck(b, journal_put_token(b->j, &t->jslot, &r));
 }
 
-/* Request id of conn applied: the floor and the mask of ids above it. */
+/* The result of conn's noted request (a result-bearing op: status, the
+ * buffer granted or the token made) into its ring, in the call's
+ * transaction. */
+static void jput_result(broker *b, broker_conn *conn, int status, const broker_buf *buf,
+			const unsigned char *tok)
+{
+	if (!conn || !conn->noted_request || !conn->results)
+		return;
+	conn_result *x = &conn->results[conn->noted_request % JOURNAL_RESULT_RING];
+	memset(&x->r, 0, sizeof(x->r));
+	x->r.session = conn->session;
+	x->r.request = conn->noted_request;
+	x->r.status = status;
+	x->r.buffer = buf ? buf->id : 0;
+	if (tok)
+		memcpy(x->r.token, tok, sizeof(x->r.token));
+	jbegin(b);
+	jcheck(b, journal_put_result(b->j, &x->jslot, &x->r));
+}
+
+#define JRESULT(b, conn, status, buf, tok)                      \
+	do {                                                    \
+		if (__builtin_expect((b)->j != NULL, 0))        \
+			jput_result(b, conn, status, buf, tok); \
+	} while (0)
+
+/* Request id of conn applied (or, for a request that changes nothing,
+ * seen): the floor and the mask of ids above it. A client puts its ids on
+ * the wire in ascending order (PROTOCOL.md, "Session resume"), so an id
+ * more than 64 above the floor moves the floor up to 64 below it: every id
+ * the window leaves behind has reached the daemon already. */
 static void applied(broker_conn *conn, uint64_t id)
 {
 	if (id <= conn->last_request)
 		return;
 	uint64_t ahead = id - conn->last_request - 1;
-	if (ahead >= 64)
-		return; /* refused before it reaches the broker (increment 4) */
+	if (ahead >= 64) {
+		uint64_t shift = ahead - 63;
+		conn->applied_mask = shift >= 64 ? 0 : conn->applied_mask >> shift;
+		conn->last_request += shift;
+		ahead = 63;
+	}
 	conn->applied_mask |= 1ull << ahead;
 	while (conn->applied_mask & 1) {
 		conn->last_request++;
@@ -906,14 +951,16 @@ int broker_open_name(broker *b, broker_conn *conn, const char *name, broker_buf 
 		     broker_error *err)
 {
 	int rc;
+	broker_buf *buf = NULL;
 	if (!name || !name[0])
-		return fail(err, BB_ERR_INVALID, "an empty name names no buffer");
-	if ((rc = check_name(name, err)))
-		return rc;
-	broker_buf *buf = find_name(b, name);
-	if (!buf)
-		return fail(err, BB_ERR_NOT_FOUND, "no buffer named \"%s\"", name);
-	return broker_open_id(b, conn, buf->id, out, err);
+		rc = fail(err, BB_ERR_INVALID, "an empty name names no buffer");
+	else if ((rc = check_name(name, err)) == 0 && !(buf = find_name(b, name)))
+		rc = fail(err, BB_ERR_NOT_FOUND, "no buffer named \"%s\"", name);
+	if (!rc)
+		return broker_open_id(b, conn, buf->id, out, err);
+	JRESULT(b, conn, rc, NULL, NULL);
+	JEND(b, conn);
+	return rc;
 }
 
 static int retain_op(broker *b, broker_conn *conn, uint64_t id, uint32_t count, uint64_t *refs_out,
@@ -1178,6 +1225,17 @@ void broker_wait_cancel(broker *b, broker_waiter *w)
 
 /* ---- connections ------------------------------------------------------------ */
 
+/* conn's empty result ring (journal on). */
+static int conn_results_new(broker_conn *conn)
+{
+	conn->results = calloc(JOURNAL_RESULT_RING, sizeof(*conn->results));
+	if (!conn->results)
+		return BB_ERR_NO_MEMORY;
+	for (int i = 0; i < JOURNAL_RESULT_RING; i++)
+		conn->results[i].jslot = JOURNAL_NO_SLOT;
+	return 0;
+}
+
 broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pid,
 			      broker_error *err)
 {
@@ -1201,6 +1259,15 @@ broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pi
 	conn->broker = b;
 	conn->session = b->next_session++;
 	conn->jslot = JOURNAL_NO_SLOT;
+	if (b->j) {
+		if (conn_results_new(conn)) {
+			free(conn);
+			b->next_session--;
+			fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+			return NULL;
+		}
+		b->cfg.random(b->cfg.ctx, conn->secret, sizeof(conn->secret));
+	}
 	DL_APPEND(b->conns, conn);
 	b->nconns++;
 	if (b->j)
@@ -1243,7 +1310,10 @@ void broker_conn_close(broker *b, broker_conn *conn)
 	if (b->j) {
 		jbegin(b);
 		journal_drop(b->j, &conn->jslot, false);
+		for (int i = 0; conn->results && i < JOURNAL_RESULT_RING; i++)
+			journal_drop(b->j, &conn->results[i].jslot, false);
 	}
+	free(conn->results);
 	idmap_free(&conn->jholds); /* empty unless the journal was turned off (broker_free) */
 	if (conn->absent)
 		b->nabsent--;
@@ -1833,10 +1903,10 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 		 broker_error *err)
 {
 	int rc = alloc_op(b, conn, req, out, err);
-	/* Not applied yet: the request parks and is noted again when it is
-	 * retried (handler_retry_allocs). */
 	if (rc == BACKEND_GROW)
-		conn->noted_request = 0;
+		conn->noted_request = 0; /* parked: applied when it is retried */
+	else
+		JRESULT(b, conn, rc, rc ? NULL : *out, NULL);
 	JEND(b, conn);
 	return rc;
 }
@@ -1844,6 +1914,7 @@ int broker_alloc(broker *b, broker_conn *conn, const broker_alloc_req *req, brok
 int broker_open_id(broker *b, broker_conn *conn, uint64_t id, broker_buf **out, broker_error *err)
 {
 	int rc = open_id_op(b, conn, id, out, err);
+	JRESULT(b, conn, rc, rc ? NULL : *out, NULL);
 	JEND(b, conn);
 	return rc;
 }
@@ -1868,6 +1939,7 @@ int broker_take(broker *b, broker_conn *conn, uint64_t id, bool retain,
 		unsigned char out[BB_TOKEN_SIZE], broker_error *err)
 {
 	int rc = take_op(b, conn, id, retain, out, err);
+	JRESULT(b, conn, rc, NULL, rc ? NULL : out);
 	JEND(b, conn);
 	return rc;
 }
@@ -1876,6 +1948,7 @@ int broker_adopt(broker *b, broker_conn *conn, const unsigned char tok[BB_TOKEN_
 		 broker_buf **out, broker_error *err)
 {
 	int rc = adopt_op(b, conn, tok, out, err);
+	JRESULT(b, conn, rc, rc ? NULL : *out, NULL);
 	JEND(b, conn);
 	return rc;
 }
@@ -1905,6 +1978,11 @@ uint64_t broker_expire_tokens(broker *b)
 void broker_conn_note_request(broker_conn *conn, uint64_t id)
 {
 	conn->noted_request = id;
+}
+
+void broker_conn_seen(broker_conn *conn, uint64_t id)
+{
+	applied(conn, id);
 }
 
 uint64_t broker_journal_errors(const broker *b)
@@ -2096,6 +2174,10 @@ static void journal_everything(broker *b)
 		for (idmap_slot *h = idmap_next(&conn->holdings, NULL); h;
 		     h = idmap_next(&conn->holdings, h))
 			jput_hold(b, conn, h->item, h->value);
+		for (int i = 0; conn->results && i < JOURNAL_RESULT_RING; i++)
+			if (conn->results[i].r.request)
+				jcheck(b, journal_put_result(b->j, &conn->results[i].jslot,
+							     &conn->results[i].r));
 	}
 	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s))
 		jput_buf(b, s->item);
@@ -2131,9 +2213,18 @@ static int restore_state(broker *b, const journal_state *s, broker_conn **conns,
 		if (!conn->grace_ms)
 			conn->grace_ms = 1; /* 0 would read as connected */
 		b->nabsent++;
+		memcpy(conn->secret, r->secret, sizeof(conn->secret));
 		DL_APPEND(b->conns, conn);
 		b->nconns++;
 		conns[i] = conn;
+		if (b->j && conn_results_new(conn))
+			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	}
+	for (size_t i = 0; i < s->n_results; i++) {
+		const journal_result *r = &s->results[i];
+		broker_conn *conn = restored_conn(s, conns, r->session);
+		if (conn && conn->results)
+			conn->results[r->request % JOURNAL_RESULT_RING].r = *r;
 	}
 	for (size_t i = 0; i < s->n_buffers; i++) {
 		const journal_buffer *r = &s->buffers[i];
@@ -2270,4 +2361,86 @@ void broker_restored(const broker *b, uint64_t *buffers, uint64_t *lost)
 {
 	*buffers = b->restored;
 	*lost = b->restored_lost;
+}
+
+void broker_conn_secret(const broker_conn *conn, unsigned char out[BB_TOKEN_SIZE])
+{
+	memcpy(out, conn->secret, BB_TOKEN_SIZE);
+}
+
+bool broker_keeps_state(const broker *b)
+{
+	return b->j != NULL;
+}
+
+/* Equal, in a time that does not depend on where they differ. */
+static bool secret_equal(const unsigned char *a, const unsigned char *c, size_t n)
+{
+	volatile unsigned char d = 0;
+	for (size_t i = 0; i < n; i++)
+		d |= a[i] ^ c[i];
+	return d == 0;
+}
+
+int broker_session_resume(broker *b, uint64_t session, const unsigned char *secret,
+			  size_t secret_len, uint32_t uid, broker_conn **out, uint64_t *floor,
+			  uint64_t *mask, broker_error *err)
+{
+	broker_conn *conn;
+	DL_FOREACH (b->conns, conn)
+		if (conn->session == session)
+			break;
+	if (!conn || !b->j)
+		return fail(err, BB_ERR_NOT_FOUND,
+			    "session %" PRIu64 " is not known: released after the grace period, "
+			    "or the daemon started without its state",
+			    session);
+	if (secret_len != BB_TOKEN_SIZE || !secret ||
+	    !secret_equal(secret, conn->secret, BB_TOKEN_SIZE))
+		return fail(err, BB_ERR_DENIED,
+			    "the secret does not resume session %" PRIu64
+			    " (HelloReply.session_secret, 16 bytes)",
+			    session);
+	if (uid != conn->uid)
+		return fail(err, BB_ERR_DENIED,
+			    "session %" PRIu64 " belongs to another uid than %" PRIu32, session,
+			    uid);
+	if (!conn->absent)
+		return fail(err, BB_ERR_EXISTS,
+			    "session %" PRIu64 " is attached to a live connection", session);
+	conn->absent = false;
+	conn->grace_ms = 0;
+	b->nabsent--;
+	conn->resumed = true;
+	conn->opened_ms = now(b);
+	jput_session(b, conn);
+	jend_slow(b, NULL);
+	*out = conn;
+	*floor = conn->last_request;
+	*mask = conn->applied_mask;
+	return 0;
+}
+
+static bool id_applied(const broker_conn *conn, uint64_t id)
+{
+	if (id <= conn->last_request)
+		return true;
+	uint64_t ahead = id - conn->last_request - 1;
+	return ahead < 64 && (conn->applied_mask >> ahead & 1);
+}
+
+bool broker_conn_applied(broker *b, broker_conn *conn, uint64_t id, broker_applied *out)
+{
+	if (__builtin_expect(!conn->resumed, 1) || !id_applied(conn, id))
+		return false;
+	memset(out, 0, sizeof(*out));
+	const conn_result *x = conn->results ? &conn->results[id % JOURNAL_RESULT_RING] : NULL;
+	if (x && x->r.request == id) {
+		out->found = true;
+		out->status = x->r.status;
+		memcpy(out->token, x->r.token, sizeof(out->token));
+		if (x->r.buffer && find_holding(conn, x->r.buffer))
+			out->buf = find_buf(b, x->r.buffer);
+	}
+	return true;
 }

@@ -389,4 +389,26 @@ int broker_session_resume(broker *b, uint64_t session, const unsigned char *secr
 			  size_t secret_len, uint32_t uid, broker_conn **out, uint64_t *floor,
 			  uint64_t *mask, broker_error *err);
 
+/* [helper B] Whether b keeps its state for a restart (its journal is on):
+ * then Hello names the session and its secret. */
+bool broker_keeps_state(const broker *b);
+/* [helper B] A request that changes nothing (Stat, Wait, ...) with this id
+ * reached conn: it moves the applied ids' floor like an applied one (memory
+ * only; journaled with the next change). */
+void broker_conn_seen(broker_conn *conn, uint64_t id);
+
+/* [helper B] Exactly once (docs/RESTART.md): the answer an already applied
+ * request gets when a resumed client sends it again. */
+typedef struct broker_applied {
+	bool found;      /* its result is in the ring (result-bearing ops) */
+	int status;      /* found: 0 or the error it was answered with */
+	broker_buf *buf; /* found, status 0, a buffer result still held by conn */
+	unsigned char token[BB_TOKEN_SIZE]; /* found, Take: the token */
+} broker_applied;
+/* True when conn's session was resumed and request id is applied already
+ * (at or below the floor, or in the mask): the caller answers it from *out
+ * and does not apply it again. False otherwise (always for a session never
+ * resumed: a client that reuses ids is served as before). */
+bool broker_conn_applied(broker *b, broker_conn *conn, uint64_t id, broker_applied *out);
+
 #endif /* BB_BROKER_H */

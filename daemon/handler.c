@@ -7,6 +7,7 @@
 #include "handler.h"
 
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +36,7 @@ struct handler {
 	uv_timer_t token_timer;      /* next token expiry */
 	uint32_t denied_pending;     /* denied sessions not yet closed */
 	bool stopping;               /* handler_stop was called */
+	handler_upgrade upgrade;     /* the Upgrade op's hooks; prepare NULL: unsupported */
 	session *sessions;           /* open sessions, in connection-number order */
 };
 
@@ -46,6 +48,7 @@ struct session {
 	uint32_t uid, gid, pid; /* SO_PEERCRED */
 	char name[64];          /* Hello.client_name, for logs */
 	bool hello;             /* Hello accepted */
+	bool resumed;           /* its Hello resumed a restored session */
 	uint32_t minor;         /* protocol minor version it speaks (at most ours) */
 	bool denied;            /* no allow-list admits the peer: its first request is refused */
 	broker_conn *bc;        /* the broker's view of it; NULL when denied or refused */
@@ -63,9 +66,26 @@ typedef struct req_ctx {
 	int opc;     /* Request.op_case, for metrics */
 } req_ctx;
 
+/* Tests only (bufbrokerd(8), BUFBROKERD_TEST_CRASH_AFTER=N): the daemon
+ * kills itself after the commit and before the answer of its Nth
+ * state-changing request, so that the exactly-once tests can crash it at
+ * the one point where a client cannot tell whether its request was
+ * applied. 0: off. */
+static uint64_t crash_after, crash_count;
+static bool crash_armed;
+
+static void crash_point(void)
+{
+	if (__builtin_expect(crash_armed, 0)) {
+		log_warn("event=test_crash_point request=%llu", (unsigned long long)crash_count);
+		raise(SIGKILL);
+	}
+}
+
 /* Send a response that is just a status. */
 static void send_status(session *c, uint64_t req_id, int code, const char *msg)
 {
+	crash_point();
 	Bufbroker__Response r = BUFBROKER__RESPONSE__INIT;
 	Bufbroker__Status st = BUFBROKER__STATUS__INIT;
 	st.code = code;
@@ -136,6 +156,7 @@ static void reply(req_ctx *r, Bufbroker__Response *resp, int fd)
 	metrics_answered(r->c->h->counters, r->opc, BB_OK);
 	if (r->quiet)
 		return;
+	crash_point();
 	st.message = "";
 	resp->id = r->id;
 	resp->status = &st;
@@ -220,6 +241,26 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 		close_after(c, "protocol version mismatch");
 		return;
 	}
+	uint64_t floor = 0, mask = 0;
+	if (h->resume_session || h->resume_secret.len) {
+		broker_conn *restored;
+		broker_error err;
+		int rc = broker_session_resume(c->h->b, h->resume_session, h->resume_secret.data,
+					       h->resume_secret.len, c->uid, &restored, &floor,
+					       &mask, &err);
+		log_info("event=session_resume conn=%llu uid=%u pid=%u session=%llu code=%s",
+			 (unsigned long long)c->serial, c->uid, c->pid,
+			 (unsigned long long)h->resume_session, bb_err_name(rc));
+		if (rc) {
+			reply_error(r, rc, err.msg); /* unhelloed: a plain Hello may follow */
+			return;
+		}
+		/* The empty connection opened at accept goes; the restored one,
+		 * with its holds, tokens and PENDING buffers, is this one's. */
+		broker_conn_close(c->h->b, c->bc);
+		c->bc = restored;
+		c->resumed = true;
+	}
 	c->hello = true;
 	/* What it can be granted: a client older than 1.2 cannot map VMM
 	 * buffers. */
@@ -248,6 +289,17 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 	hr.gid = c->gid;
 	hr.pid = c->pid;
 	hr.max_datagram = c->h->max_datagram;
+	unsigned char secret[BB_TOKEN_SIZE];
+	if (broker_keeps_state(c->h->b)) {
+		/* The session and what resumes it after a restart. */
+		hr.session_id = broker_conn_session(c->bc);
+		broker_conn_secret(c->bc, secret);
+		hr.session_secret.data = secret;
+		hr.session_secret.len = sizeof(secret);
+		hr.resumed = c->resumed;
+		hr.last_applied = floor;
+		hr.applied_mask = mask;
+	}
 	resp.result_case = BUFBROKER__RESPONSE__RESULT_HELLO;
 	resp.hello = &hr;
 	reply(r, &resp, -1);
@@ -353,8 +405,7 @@ static bool retry_alloc(void *ctx, const park_alloc *pa)
 		alloc_unparked(c);
 		return true;
 	}
-	/* Applied (if it is) in the transaction of this retry. */
-	broker_conn_note_request(c->bc, pa->req_id);
+	broker_conn_note_request(c->bc, pa->req_id); /* applied with its effect */
 	if (alloc_try(&r, pa->size, pa->kind, pa->device, pa->name, pa->share, pa->cuda_handle,
 		      -1) == BACKEND_GROW)
 		return false;
@@ -886,19 +937,28 @@ int handler_check(handler *h, char *report, size_t cap)
 	return problems + check_edges(h, report, cap);
 }
 
+/* Admin ops (Check, Upgrade) are for root and the daemon's own uid: true,
+ * or false once r is answered BB_ERR_DENIED. */
+static bool admin_allowed(req_ctx *r, const char *op)
+{
+	uint32_t daemon_uid = (uint32_t)geteuid();
+	char msg[128];
+
+	if (r->c->uid == 0 || r->c->uid == daemon_uid)
+		return true;
+	snprintf(msg, sizeof(msg), "%s is allowed to root and to uid %u (the daemon's)", op,
+		 daemon_uid);
+	reply_error(r, BB_ERR_DENIED, msg);
+	return false;
+}
+
 static void do_check(req_ctx *r)
 {
 	session *me = r->c;
 	handler *h = me->h;
-	uint32_t daemon_uid = (uint32_t)geteuid();
-	char msg[128];
 
-	if (me->uid != 0 && me->uid != daemon_uid) {
-		snprintf(msg, sizeof(msg), "Check is allowed to root and to uid %u (the daemon's)",
-			 daemon_uid);
-		reply_error(r, BB_ERR_DENIED, msg);
+	if (!admin_allowed(r, "Check"))
 		return;
-	}
 	char *report = malloc(CHECK_REPORT_MAX);
 	char **lines = calloc(CHECK_REPORT_MAX / 2, sizeof(*lines));
 	if (!report || !lines) {
@@ -946,6 +1006,37 @@ static void do_check(req_ctx *r)
 	free(report);
 }
 
+/* Upgrade: the preflight runs here (the loop waits for it, at most
+ * UPGRADE_PREFLIGHT_MS); a binary that passes is answered 0 and executed
+ * once this loop turn ends (docs/RESTART.md, "Planned upgrade by execve"). */
+static void do_upgrade(req_ctx *r, const Bufbroker__Upgrade *u)
+{
+	session *me = r->c;
+	handler *h = me->h;
+	char why[768], esc[800];
+
+	if (!admin_allowed(r, "Upgrade"))
+		return;
+	if (!h->upgrade.prepare) {
+		reply_error(
+			r, BB_ERR_UNSUPPORTED,
+			"the daemon keeps no state journal (--restart, [restart] journal = on): "
+			"an upgrade would lose every buffer");
+		return;
+	}
+	int err = h->upgrade.prepare(h->upgrade.ctx, u->binary, why, sizeof(why));
+	if (err) {
+		reply_error(r, err, why);
+		return;
+	}
+	log_info("event=upgrade_requested conn=%llu uid=%u pid=%u binary=\"%s\"",
+		 (unsigned long long)me->serial, me->uid, me->pid,
+		 log_escape(u->binary && u->binary[0] ? u->binary : "(its own)", esc, sizeof(esc)));
+	r->quiet = false;
+	reply_ok(r);
+	h->upgrade.start(h->upgrade.ctx);
+}
+
 /* ---- dispatch ------------------------------------------------------------------ */
 
 /* The sentence that refuses a peer no allow-list admits, into buf. */
@@ -972,6 +1063,67 @@ static bool changes_state(Bufbroker__Request__OpCase op)
 	case BUFBROKER__REQUEST__OP_SET_READY:
 	case BUFBROKER__REQUEST__OP_SET_ERROR: return true;
 	default: return false;
+	}
+}
+
+/* The answer to a request applied before a restart and sent again after
+ * the resume (docs/RESTART.md, "Exactly once"): from the result ring for
+ * the ops that have a result, the current counts for Retain and Release,
+ * a plain success for SetReady and SetError. */
+static void answer_applied(req_ctx *r, const Bufbroker__Request *req, const broker_applied *done)
+{
+	char msg[160];
+	uint64_t id = 0;
+	bool refs = false;
+	switch (req->op_case) {
+	case BUFBROKER__REQUEST__OP_RETAIN: id = req->retain->id, refs = true; break;
+	case BUFBROKER__REQUEST__OP_RELEASE: id = req->release->id, refs = true; break;
+	case BUFBROKER__REQUEST__OP_SET_READY:
+	case BUFBROKER__REQUEST__OP_SET_ERROR: reply_ok(r); return;
+	default: break;
+	}
+	if (refs) {
+		/* Applied once; its answer is the counts as they are now. */
+		broker_info info = {0};
+		broker_error err;
+		if (broker_stat_id(r->c->h->b, r->c->bc, id, &info, &err))
+			info.refs = info.held = 0; /* its last count went: the buffer is gone */
+		Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+		Bufbroker__RefsReply rr = BUFBROKER__REFS_REPLY__INIT;
+		rr.refs = info.refs;
+		rr.held = info.held;
+		resp.result_case = BUFBROKER__RESPONSE__RESULT_REFS;
+		resp.refs = &rr;
+		reply(r, &resp, -1);
+		return;
+	}
+	if (!done->found) {
+		snprintf(msg, sizeof(msg),
+			 "request %" PRIu64 " was applied before the daemon restarted, and its "
+			 "answer is no longer kept (ids more than 64 apart)",
+			 r->id);
+		reply_error(r, BB_ERR_PROTOCOL, msg);
+	} else if (done->status) {
+		snprintf(msg, sizeof(msg),
+			 "request %" PRIu64 " was answered %s before the daemon restarted", r->id,
+			 bb_err_name(done->status));
+		reply_error(r, done->status, msg);
+	} else if (req->op_case == BUFBROKER__REQUEST__OP_TAKE) {
+		Bufbroker__Response resp = BUFBROKER__RESPONSE__INIT;
+		Bufbroker__TakeReply tr = BUFBROKER__TAKE_REPLY__INIT;
+		tr.token.data = (uint8_t *)done->token;
+		tr.token.len = sizeof(done->token);
+		resp.result_case = BUFBROKER__RESPONSE__RESULT_TAKE;
+		resp.take = &tr;
+		reply(r, &resp, -1);
+	} else if (done->buf) {
+		grant(r, done->buf); /* the count it got then; no new one */
+	} else {
+		snprintf(msg, sizeof(msg),
+			 "request %" PRIu64 " was applied before the daemon restarted; the buffer "
+			 "it granted is no longer held by this session",
+			 r->id);
+		reply_error(r, BB_ERR_NOT_FOUND, msg);
 	}
 }
 
@@ -1025,8 +1177,22 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 		return;
 	}
 
-	if (c->bc && changes_state(req->op_case))
+	if (c->bc && changes_state(req->op_case)) {
+		broker_applied done;
+		if (crash_after && ++crash_count == crash_after)
+			crash_armed = true;
+		if (broker_conn_applied(c->h->b, c->bc, req->id, &done)) {
+			/* Sent again after a resume, and applied before the
+			 * restart: answered, not applied twice. */
+			if (fd >= 0)
+				close(fd);
+			answer_applied(&r, req, &done);
+			return;
+		}
 		broker_conn_note_request(c->bc, req->id); /* applied with its effect */
+	} else if (c->bc) {
+		broker_conn_seen(c->bc, req->id);
+	}
 	switch (req->op_case) {
 	case BUFBROKER__REQUEST__OP_HELLO: do_hello(&r, req->hello); break;
 	case BUFBROKER__REQUEST__OP_ALLOC: {
@@ -1073,11 +1239,13 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 	case BUFBROKER__REQUEST__OP_CLIENTS: do_clients(&r, req->clients); break;
 	case BUFBROKER__REQUEST__OP_CHECK: do_check(&r); break;
 	case BUFBROKER__REQUEST__OP_ALLOCATION_FD: do_allocation_fd(&r, req->allocation_fd); break;
+	case BUFBROKER__REQUEST__OP_UPGRADE: do_upgrade(&r, req->upgrade); break;
 	default:
 		r.quiet = false;
 		reply_error(&r, BB_ERR_PROTOCOL, "unknown or missing op");
 		break;
 	}
+	crash_point(); /* a no_reply request, or a parked one */
 }
 
 /* ---- sessions ------------------------------------------------------------------ */
@@ -1163,9 +1331,21 @@ handler *handler_new(uv_loop_t *loop, const snapshot_sources *src, park *park,
 	h->park = park;
 	h->counters = counters;
 	h->max_datagram = max_datagram;
+	const char *crash = getenv("BUFBROKERD_TEST_CRASH_AFTER");
+	if (crash && crash[0]) {
+		crash_after = strtoull(crash, NULL, 10);
+		log_warn("event=test_crash_point_set after=%llu (BUFBROKERD_TEST_CRASH_AFTER: "
+			 "tests only)",
+			 (unsigned long long)crash_after);
+	}
 	uv_timer_init(loop, &h->token_timer);
 	h->token_timer.data = h;
 	return h;
+}
+
+void handler_set_upgrade(handler *h, const handler_upgrade *u)
+{
+	h->upgrade = u ? *u : (handler_upgrade){0};
 }
 
 void handler_stop(handler *h)

@@ -32,7 +32,15 @@
 #define CLASS_BIG 0u
 #define CLASS_SMALL 1u
 
-enum { T_FREE = 0, T_BUFFER = 1, T_SESSION = 2, T_HOLD = 3, T_TOKEN = 4, T_COUNT = 5 };
+enum {
+	T_FREE = 0,
+	T_BUFFER = 1,
+	T_SESSION = 2,
+	T_HOLD = 3,
+	T_TOKEN = 4,
+	T_RESULT = 5,
+	T_COUNT = 6
+};
 
 typedef struct jheader {
 	uint64_t magic;
@@ -73,6 +81,7 @@ _Static_assert(sizeof(jcopy) + sizeof(journal_buffer) <= BIG_COPY, "big copy");
 _Static_assert(sizeof(jcopy) + sizeof(journal_session) <= SMALL_COPY, "session copy");
 _Static_assert(sizeof(jcopy) + sizeof(journal_token) <= SMALL_COPY, "token copy");
 _Static_assert(sizeof(jcopy) + sizeof(journal_hold) <= SMALL_COPY, "hold copy");
+_Static_assert(sizeof(jcopy) + sizeof(journal_result) <= SMALL_COPY, "result copy");
 
 /* The writer's memory of one slot: which copy is committed and what the
  * transaction under way has written, so that the digest and the counts
@@ -453,6 +462,18 @@ int journal_put_token(journal *j, uint32_t *slot, const journal_token *t)
 	return journal__put(j, CLASS_SMALL, slot, T_TOKEN, &r, sizeof(r), 0);
 }
 
+int journal_put_result(journal *j, uint32_t *slot, const journal_result *res)
+{
+	journal_result r;
+	memset(&r, 0, sizeof(r));
+	r.session = res->session;
+	r.request = res->request;
+	r.buffer = res->buffer;
+	r.status = res->status;
+	memcpy(r.token, res->token, sizeof(r.token));
+	return journal__put(j, CLASS_SMALL, slot, T_RESULT, &r, sizeof(r), 0);
+}
+
 void journal_drop(journal *j, uint32_t *slot, bool buffer)
 {
 	if (*slot == JOURNAL_NO_SLOT)
@@ -552,6 +573,13 @@ static int cmp_token(const void *a, const void *b)
 		      BB_TOKEN_SIZE);
 }
 
+static int cmp_result(const void *a, const void *b)
+{
+	const journal_result *x = a, *y = b;
+	int c = cmp_u64(x->session, y->session);
+	return c ? c : cmp_u64(x->request, y->request);
+}
+
 /* The committed copy of a slot: the valid one with the highest sequence
  * number not above seq. NULL when neither is (never written, or both
  * unusable: the digest then tells whether a record went missing). */
@@ -631,6 +659,7 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 	v[T_SESSION].size = sizeof(journal_session);
 	v[T_HOLD].size = sizeof(journal_hold);
 	v[T_TOKEN].size = sizeof(journal_token);
+	v[T_RESULT].size = sizeof(journal_result);
 	v[T_FREE].size = 1;
 
 	jheader h;
@@ -695,10 +724,8 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		goto out;
 	}
 	int (*cmp[T_COUNT])(const void *, const void *) = {
-		[T_BUFFER] = cmp_buffer,
-		[T_SESSION] = cmp_session,
-		[T_HOLD] = cmp_hold,
-		[T_TOKEN] = cmp_token,
+		[T_BUFFER] = cmp_buffer, [T_SESSION] = cmp_session, [T_HOLD] = cmp_hold,
+		[T_TOKEN] = cmp_token,   [T_RESULT] = cmp_result,
 	};
 	for (int t = T_BUFFER; t < T_COUNT; t++)
 		if (v[t].n) /* items is NULL when empty, which qsort may not take */
@@ -714,6 +741,8 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 	out->n_holds = v[T_HOLD].n;
 	out->tokens = v[T_TOKEN].items;
 	out->n_tokens = v[T_TOKEN].n;
+	out->results = v[T_RESULT].items;
+	out->n_results = v[T_RESULT].n;
 	munmap(m, size);
 	return 0;
 out:
@@ -729,6 +758,7 @@ void journal_state_free(journal_state *s)
 	free(s->sessions);
 	free(s->holds);
 	free(s->tokens);
+	free(s->results);
 	memset(s, 0, sizeof(*s));
 }
 
@@ -861,6 +891,28 @@ int journal_check(const journal_state *s, char *report, size_t len)
 		if (i && !cmp_token(t, t - 1))
 			problem(&r, "token on buffer %llu: two records",
 				(unsigned long long)t->buffer);
+	}
+	for (size_t i = 0; i < s->n_results; i++) {
+		const journal_result *x = &s->results[i];
+		if (!has_session(s, x->session))
+			problem(&r, "result of request %llu: session %llu is unknown",
+				(unsigned long long)x->request, (unsigned long long)x->session);
+		if (!x->request)
+			problem(&r, "result of session %llu: request id 0",
+				(unsigned long long)x->session);
+		/* Sorted by session then request: one result per place of the
+		 * ring is one within any 64 consecutive entries of a session. */
+		for (size_t k = i; k-- > 0 && s->results[k].session == x->session;)
+			if (s->results[k].request % JOURNAL_RESULT_RING ==
+			    x->request % JOURNAL_RESULT_RING) {
+				problem(&r,
+					"session %llu: results of requests %llu and %llu share "
+					"a place of the ring",
+					(unsigned long long)x->session,
+					(unsigned long long)s->results[k].request,
+					(unsigned long long)x->request);
+				break;
+			}
 	}
 	for (size_t i = 0; i < s->n_buffers; i++)
 		if (!refs[i])

@@ -99,6 +99,21 @@ typedef struct journal_token {
 	uint32_t maker_uid;   /* counts against this uid's token limit */
 } journal_token;
 
+/* The answer of one applied result-bearing request (Alloc, ImportFd, Open,
+ * Adopt, Take), so that the request sent again after a restart is answered
+ * without being applied twice (docs/RESTART.md, "Exactly once"). A ring of
+ * JOURNAL_RESULT_RING per session: request id mod JOURNAL_RESULT_RING is
+ * its place, and a newer request's result replaces the older one there. */
+#define JOURNAL_RESULT_RING 64
+typedef struct journal_result {
+	uint64_t session;
+	uint64_t request;                   /* its request id (> 0) */
+	uint64_t buffer;                    /* Alloc, ImportFd, Open, Adopt: the buffer granted */
+	int32_t status;                     /* 0 or the BB_ERR_* it was answered with */
+	uint32_t reserved;                  /* 0 */
+	unsigned char token[BB_TOKEN_SIZE]; /* Take: the token made */
+} journal_result;
+
 /* The counters that keep ids unique. */
 typedef struct journal_ids {
 	uint64_t next_buffer;  /* every buffer id is below it */
@@ -118,13 +133,15 @@ typedef struct journal_state {
 	size_t n_holds;
 	journal_token *tokens;
 	size_t n_tokens;
+	journal_result *results; /* by session, then request id */
+	size_t n_results;
 } journal_state;
 
 typedef struct journal journal;
 
 typedef struct journal_config {
 	uint32_t big_slots;   /* buffer slots of the first extent (0: 1024) */
-	uint32_t small_slots; /* session/hold/token slots of the first extent (0: 4096) */
+	uint32_t small_slots; /* session/hold/token/result slots of the first extent (0: 4096) */
 } journal_config;
 
 /* A new, empty journal in a new memfd (sealed against shrinking), with
@@ -153,6 +170,7 @@ int journal_put_buffer(journal *j, uint32_t *slot, const journal_buffer *b);
 int journal_put_session(journal *j, uint32_t *slot, const journal_session *s);
 int journal_put_hold(journal *j, uint32_t *slot, const journal_hold *h);
 int journal_put_token(journal *j, uint32_t *slot, const journal_token *t);
+int journal_put_result(journal *j, uint32_t *slot, const journal_result *r);
 /* Remove a record; *slot becomes JOURNAL_NO_SLOT (the slot is reused after
  * the commit). buffer: true for a buffer's slot, false for the others'.
  * Never fails: it needs no memory. (A slot this journal did not give is
@@ -182,7 +200,8 @@ void journal_state_free(journal_state *s);
  * unique and below the counters; holds and tokens name known buffers, holds
  * known sessions, counts > 0; every buffer has a reference (a hold or a
  * token); a producer is a known session or 0; names unique; kinds, states
- * and share policies in range. Writes one line per problem into report (len
+ * and share policies in range; a result names a known session and at most
+ * one result per session has each place of the ring. Writes one line per problem into report (len
  * bytes, always NUL-terminated, "" when all hold) and returns how many
  * there were. */
 int journal_check(const journal_state *s, char *report, size_t len);

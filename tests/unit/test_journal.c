@@ -27,7 +27,7 @@
 #include "journal.h"
 
 #define MAXREC 8192          /* records of each type a workload may make */
-#define COMMIT_STORES 11     /* 8-byte stores of a commit record (88 bytes) */
+#define COMMIT_STORES 12     /* 8-byte stores of a commit record (96 bytes) */
 #define SMALL_COPY_STORES 12 /* ... of a session, hold or token copy (96 bytes) */
 
 typedef struct mbuf {
@@ -973,4 +973,75 @@ Test(journal, a_journal_with_an_inconsistent_state_is_refused_by_the_checker)
 	cr_assert_not_null(strstr(report, "buffer 8 is unknown"), "%s", report);
 	journal_state_free(&got);
 	model_free(m);
+}
+
+/* The result ring's records (docs/RESTART.md, "Exactly once"): they read
+ * back as written, a dropped one is gone, the digest and counts cover them
+ * (a lost result is refused), and the checker refuses a result of an
+ * unknown session or two results in one place of a session's ring. */
+Test(journal, results_round_trip_and_are_checked)
+{
+	journal *j;
+	char err[256];
+	journal_config cfg = {.big_slots = 4, .small_slots = 8};
+	cr_assert_eq(journal_create(&cfg, &j, err, sizeof(err)), 0, "%s", err);
+	journal_session ses = {.id = 1, .uid = 1000};
+	uint32_t sslot = JOURNAL_NO_SLOT, rslot[20];
+	journal_begin(j);
+	cr_assert_eq(journal_put_session(j, &sslot, &ses), 0);
+	for (int i = 0; i < 20; i++) {
+		journal_result r = {.session = 1, .request = (uint64_t)i + 1, .buffer = 100 + i};
+		if (i == 3)
+			r.status = BB_ERR_NOT_FOUND;
+		memset(r.token, i, sizeof(r.token));
+		rslot[i] = JOURNAL_NO_SLOT;
+		cr_assert_eq(journal_put_result(j, &rslot[i], &r), 0); /* the file grows */
+	}
+	journal_ids ids = {.next_buffer = 1, .next_session = 2};
+	journal_set_ids(j, &ids);
+	journal_commit(j);
+	journal_begin(j);
+	journal_drop(j, &rslot[7], false);
+	journal_commit(j);
+
+	journal_state st;
+	cr_assert_eq(journal_read(journal_fd(j), &st, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(st.n_results, 19);
+	for (size_t i = 0; i < st.n_results; i++) {
+		const journal_result *r = &st.results[i];
+		uint64_t want = i < 7 ? i + 1 : i + 2; /* 8 was dropped */
+		cr_assert_eq(r->request, want);
+		cr_assert_eq(r->session, 1);
+		cr_assert_eq(r->buffer, 99 + want);
+		cr_assert_eq(r->status, want == 4 ? BB_ERR_NOT_FOUND : 0);
+		cr_assert_eq(r->token[0], (unsigned char)(want - 1));
+	}
+	expect_check_passes(&st);
+
+	st.results[5].session = 2;
+	expect_refused(&st, "session 2 is unknown");
+	st.results[5].session = 1;
+	st.results[6].request = st.results[5].request + JOURNAL_RESULT_RING;
+	expect_refused(&st, "share a place of the ring");
+	journal_state_free(&st);
+
+	/* A result's committed copy zeroed: lost, and refused. */
+	int fd = journal_fd(j);
+	struct stat sb;
+	cr_assert_eq(fstat(fd, &sb), 0);
+	unsigned char *mem =
+		mmap(NULL, (size_t)sb.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	cr_assert_neq(mem, MAP_FAILED);
+	size_t lost = 0;
+	for (size_t off = 4096; off + 96 <= (size_t)sb.st_size && !lost; off += 96) {
+		uint32_t type;
+		memcpy(&type, mem + off + 20, sizeof(type));
+		if (type == 5)
+			lost = off;
+	}
+	cr_assert_neq(lost, 0, "no result record in the file");
+	memset(mem + lost, 0, 96);
+	munmap(mem, (size_t)sb.st_size);
+	cr_assert_eq(journal_read(fd, &st, err, sizeof(err)), BB_ERR_PROTOCOL, "%s", err);
+	journal_free(j);
 }
