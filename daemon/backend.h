@@ -116,6 +116,14 @@ struct backend {
 	 * problem to report (cap bytes, NUL-terminated) and returns how many.
 	 * May be NULL. */
 	int (*check)(backend *be, char *report, size_t cap);
+	/* Take over the memory of a buffer kept across a restart
+	 * (docs/RESTART.md): fd, what the fd store kept for a buffer of size
+	 * bytes owned by uid; flags its journal flags (JOURNAL_BUF_IMPORTED or
+	 * _EXPOSED: never reuse it). 0 and *out (fd is the backend's now), or
+	 * BB_ERR_INVALID with why when fd is not such memory (fd stays the
+	 * caller's). NULL: memory of this kind cannot be kept. */
+	int (*adopt)(backend *be, int fd, uint64_t size, uint32_t uid, unsigned flags,
+		     backend_mem *out, char *err, size_t errlen);
 	/* Set by the server: run job off the loop thread. NULL: the backend
 	 * runs work and done inline (unit tests). */
 	void (*submit)(backend *be, backend_job *job);

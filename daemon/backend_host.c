@@ -390,6 +390,39 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 	return 0;
 }
 
+/* A memfd kept across a restart: sealed as this backend seals (size and
+ * seals cannot change any more), and of the size a buffer of size bytes
+ * has (page-rounded when allocated; up to one page more when imported). */
+static int host_adopt(backend *be, int fd, uint64_t size, uint32_t uid, unsigned flags,
+		      backend_mem *out, char *err, size_t errlen)
+{
+	host_backend *hb = be->ctx;
+	struct stat st;
+	int seals = fcntl(fd, F_GET_SEALS);
+	if (seals < 0 || (seals & HOST_SEALS) != HOST_SEALS) {
+		snprintf(err, errlen, "the kept fd is not a sealed memfd");
+		return BB_ERR_INVALID;
+	}
+	if (fstat(fd, &st) < 0 || (uint64_t)st.st_size < size ||
+	    (uint64_t)st.st_size - size > hb->page) {
+		snprintf(err, errlen,
+			 "the kept memfd has %lld bytes, not those of a %llu-byte buffer",
+			 (long long)st.st_size, (unsigned long long)size);
+		return BB_ERR_INVALID;
+	}
+	/* Imported or exposed: others have the file; never pool it. */
+	if (host_track(hb, fd, flags != 0) < 0) {
+		snprintf(err, errlen, "daemon out of memory");
+		return BB_ERR_NO_MEMORY;
+	}
+	out->fd = fd;
+	out->uid = uid;
+	out->size = size;
+	out->priv = NULL;
+	host_count(be, 1, size);
+	return 0;
+}
+
 static void host_free(backend *be, backend_mem *mem)
 {
 	host_backend *hb = be->ctx;
@@ -448,6 +481,7 @@ backend *backend_host_new(void)
 	be->name = "host";
 	be->alloc = host_alloc;
 	be->import_fd = host_import;
+	be->adopt = host_adopt;
 	be->free = host_free;
 	be->export_mem = host_export;
 	be->expose = host_expose;

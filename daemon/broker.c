@@ -84,7 +84,8 @@ struct broker_buf {
 	uint32_t owner_uid;        /* the allocating connection's uid */
 	uint32_t owner_gid;        /* ... and gid */
 	uint32_t tokens;           /* live tokens */
-	int32_t device;            /* CUDA ordinal; 0 for host */
+	int16_t device;            /* CUDA ordinal (the backend checked it); 0 for host */
+	uint8_t flags;             /* BUF_* */
 	uint8_t kind;              /* bb_kind: BB_HOST or BB_CUDA */
 	uint8_t state;             /* bb_state: PENDING until SetReady/SetError */
 	uint8_t share;             /* BB_SHARE_* */
@@ -98,6 +99,13 @@ _Static_assert(offsetof(struct broker_buf, id) == 0,
  * costs 16 per buffer. */
 _Static_assert(sizeof(void *) != 8 || sizeof(struct broker_buf) <= 136,
 	       "a broker_buf outgrew its malloc chunk");
+
+/* broker_buf.flags: the first two are journaled as JOURNAL_BUF_*. */
+#define BUF_IMPORTED JOURNAL_BUF_IMPORTED /* its fd came from a client */
+#define BUF_EXPOSED JOURNAL_BUF_EXPOSED   /* granted to another uid */
+#define BUF_LOST \
+	JOURNAL_BUF_LOST /* memory not kept across a restart: FAILED,
+					   * no memory, in no total or limit */
 
 /* The longest failure message kept: broker_info.error and Wait's error_out
  * hold 256 bytes. */
@@ -140,6 +148,7 @@ struct broker_conn {
 	uint64_t applied_mask;        /* bit i: request last_request + 1 + i applied */
 	uint64_t noted_request;       /* broker_conn_note_request's id, 0: none */
 	bool absent;                  /* restored, not resumed yet (RESTART.md) */
+	uint64_t grace_ms;            /* absent: released at this broker time */
 	idmap jholds;                 /* journal on: item a held buffer, value its hold's slot */
 	uint32_t jslot;               /* its session record's slot */
 	bool resumed;                 /* a client resumed it: resent ids are checked */
@@ -172,6 +181,10 @@ struct broker {
 	bool jopen;                                 /* a transaction is begun */
 	uint64_t jerrors;                           /* puts the journal refused */
 	uint64_t next_session;                      /* next session id */
+	uint64_t grace_ms;                          /* grace period of restored sessions */
+	uint32_t nabsent;                           /* absent sessions */
+	uint64_t restored;                          /* buffers broker_restore rebuilt */
+	uint64_t restored_lost;                     /* ... of which lost their memory */
 };
 
 static int fail(broker_error *err, int code, const char *fmt, ...)
@@ -274,6 +287,7 @@ broker *broker_new(const broker_config *cfg)
 	b->next_id = 1;
 	b->next_session = 1;
 	b->j = b->cfg.journal;
+	b->grace_ms = 10000;
 	for (int k = 0; k < BROKER_KINDS; k++)
 		snprintf(b->why[k], sizeof(b->why[k]), "buffers of kind %s are not supported",
 			 bb_kind_name(k));
@@ -385,7 +399,16 @@ static void jput_buf(broker *b, broker_buf *buf)
 		.owner_uid = buf->owner_uid,
 		.owner_gid = buf->owner_gid,
 		.share = buf->share,
+		.flags = buf->flags,
 	};
+	if (buf->cuda_handle == BB_CUDA_HANDLE_VMM && !(buf->flags & BUF_LOST)) {
+		backend_export ex = {.fd = -1};
+		char msg[64];
+		if (buf->be->export_mem(buf->be, &buf->mem, &ex, msg, sizeof(msg)) == 0) {
+			r.allocation = ex.allocation;
+			r.offset = ex.offset;
+		}
+	}
 	if (buf->name)
 		snprintf(r.name, sizeof(r.name), "%s", buf->name->text);
 	if (buf->state == BB_FAILED)
@@ -410,6 +433,7 @@ static void jput_session(broker *b, broker_conn *conn)
 		.gid = conn->gid,
 		.pid = conn->pid,
 		.minor = conn->minor,
+		.grace_ms = conn->absent ? conn->grace_ms : 0,
 	};
 	memcpy(r.secret, conn->secret, sizeof(r.secret));
 	jbegin(b);
@@ -523,6 +547,8 @@ static void jend_slow(broker *b, broker_conn *conn)
 			jend_slow(b, conn);              \
 	} while (0)
 
+static uint64_t fd_allocation(const broker_buf *buf);
+
 /* Leave PENDING: into READY or FAILED, waking waiters. */
 static void settle(broker *b, broker_buf *buf, bb_state state, const char *error)
 {
@@ -544,6 +570,21 @@ static void settle(broker *b, broker_buf *buf, bb_state state, const char *error
 	wake_all(b, buf, 0);
 }
 
+/* The fd store's hook (broker_config.keep) for buf, now live or freed. */
+static void keep(broker *b, const broker_buf *buf, bool live)
+{
+	if (!b->cfg.keep || (buf->flags & BUF_LOST))
+		return;
+	broker_kept k = {
+		.id = buf->id,
+		.kind = buf->kind,
+		.cuda_handle = buf->cuda_handle,
+		.fd = buf->kind == BB_HOST ? buf->mem.fd : -1,
+		.allocation = fd_allocation(buf),
+	};
+	b->cfg.keep(b->cfg.keep_ctx, &k, live);
+}
+
 /* refs reached 0: give the memory back and forget the buffer. */
 static void destroy(broker *b, broker_buf *buf)
 {
@@ -555,7 +596,7 @@ static void destroy(broker *b, broker_buf *buf)
 	if (buf->name)
 		HASH_DELETE(hh, b->by_name, buf->name);
 	idmap_remove(&b->by_id, idmap_find(&b->by_id, buf->id));
-	uid_usage *u = usage_of(b, buf->owner_uid, false);
+	uid_usage *u = buf->flags & BUF_LOST ? NULL : usage_of(b, buf->owner_uid, false);
 	if (u) {
 		u->bytes[buf->kind] -= buf->size;
 		u->buffers--;
@@ -564,10 +605,13 @@ static void destroy(broker *b, broker_buf *buf)
 			free(u);
 		}
 	}
-	b->buffers[buf->kind]--;
-	b->bytes[buf->kind] -= buf->size;
-	b->cuda_buffers[buf->cuda_handle]--;
-	b->cuda_bytes[buf->cuda_handle] -= buf->size;
+	if (!(buf->flags & BUF_LOST)) {
+		b->buffers[buf->kind]--;
+		b->bytes[buf->kind] -= buf->size;
+		b->cuda_buffers[buf->cuda_handle]--;
+		b->cuda_bytes[buf->cuda_handle] -= buf->size;
+	}
+	keep(b, buf, false);
 	buf->be->free(buf->be, &buf->mem);
 	free(buf->name);
 	if (buf->error != error_unstored)
@@ -586,6 +630,8 @@ static void drop_refs(broker *b, broker_buf *buf, uint64_t n)
  * for all but VMM buffers (a byte's test, no call, for the others). */
 static uint64_t fd_allocation(const broker_buf *buf)
 {
+	if (buf->flags & BUF_LOST)
+		return 0;
 	if (buf->cuda_handle != BB_CUDA_HANDLE_VMM || !buf->be->fd_allocation)
 		return 0;
 	return buf->be->fd_allocation(buf->be, &buf->mem);
@@ -845,6 +891,7 @@ static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, b
 	buf->cuda_handle = req->kind == BB_CUDA && handle > 0 && handle < BROKER_CUDA_HANDLES
 				   ? (uint8_t)handle
 				   : BB_CUDA_HANDLE_DEFAULT;
+	buf->flags = req->import_fd >= 0 ? BUF_IMPORTED : 0;
 	if ((rc = idmap_insert(&b->by_id, buf, 0))) {
 		fail(err, rc, "daemon out of memory");
 		goto err_mem;
@@ -863,6 +910,7 @@ static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, b
 	b->bytes[buf->kind] += buf->size;
 	b->cuda_buffers[buf->cuda_handle]++;
 	b->cuda_bytes[buf->cuda_handle] += buf->size;
+	keep(b, buf, true);
 	if (b->j)
 		jput_buf(b, buf);
 	*out = buf;
@@ -1267,6 +1315,8 @@ void broker_conn_close(broker *b, broker_conn *conn)
 	}
 	free(conn->results);
 	idmap_free(&conn->jholds); /* empty unless the journal was turned off (broker_free) */
+	if (conn->absent)
+		b->nabsent--;
 	conn_allocations_free(conn);
 	DL_DELETE(b->conns, conn);
 	b->nconns--;
@@ -1400,6 +1450,12 @@ int broker_grant(broker *b, broker_conn *conn, broker_buf *buf, broker_granted *
 	if (buf->owner_uid != conn->uid && buf->be->expose) {
 		buf->be->expose(buf->be, &buf->mem);
 		out->exposed = true;
+		if (!(buf->flags & BUF_EXPOSED)) {
+			buf->flags |= BUF_EXPOSED;
+			if (b->j)
+				jput_buf(b, buf);
+			JEND(b, NULL);
+		}
 	}
 	return 0;
 }
@@ -1618,10 +1674,15 @@ int broker_check(broker *b, char *report, size_t len)
 		}
 		row->buf = buf;
 		HASH_ADD(hh, rows, buf, sizeof(row->buf), row);
-		buffers[buf->kind]++;
-		bytes[buf->kind] += buf->size;
-		hbuffers[buf->cuda_handle]++;
-		hbytes[buf->cuda_handle] += buf->size;
+		if (!(buf->flags & BUF_LOST)) { /* a lost buffer is in no total */
+			buffers[buf->kind]++;
+			bytes[buf->kind] += buf->size;
+			hbuffers[buf->cuda_handle]++;
+			hbytes[buf->cuda_handle] += buf->size;
+		} else if (buf->state != BB_FAILED) {
+			PROBLEM("buffer %" PRIu64 ": its memory is lost but it is not FAILED",
+				buf->id);
+		}
 		if ((buf->kind == BB_CUDA) != (buf->cuda_handle != BB_CUDA_HANDLE_DEFAULT))
 			PROBLEM("buffer %" PRIu64 ": a %s buffer with CUDA handle kind %d", buf->id,
 				bb_kind_name(buf->kind), buf->cuda_handle);
@@ -1719,6 +1780,8 @@ int broker_check(broker *b, char *report, size_t len)
 	uid_usage *seen = NULL, *su, *stmp;
 	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s)) {
 		const broker_buf *buf = s->item;
+		if (buf->flags & BUF_LOST)
+			continue;
 		HASH_FIND(hh, seen, &buf->owner_uid, sizeof(buf->owner_uid), su);
 		if (!su) {
 			if (!(su = calloc(1, sizeof(*su)))) {
@@ -1950,13 +2013,35 @@ static broker_conn *restored_conn(const journal_state *s, broker_conn **conns, u
 	return r ? conns[r - s->sessions] : NULL;
 }
 
+/* The backend of a buffer whose memory was lost at a restart: nothing to
+ * free, nothing to export. */
+static void gone_free(backend *be, backend_mem *mem)
+{
+	(void)be;
+	(void)mem;
+}
+
+static int gone_export(backend *be, const backend_mem *mem, backend_export *out, char *err,
+		       size_t errlen)
+{
+	(void)be;
+	(void)mem;
+	(void)out;
+	snprintf(err, errlen, "its memory did not survive the daemon's restart");
+	return BB_ERR_FAILED;
+}
+
+static backend gone_backend = {.name = "gone", .free = gone_free, .export_mem = gone_export};
+
 static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *producer,
 			  broker_restore_mem mem, void *ctx, broker_error *err)
 {
 	backend *be = r->kind < BROKER_KINDS ? b->be[r->kind] : NULL;
-	if (!be)
-		return fail(err, BB_ERR_UNSUPPORTED, "buffer %" PRIu64 ": no backend for its kind",
-			    r->id);
+	bool lost = r->flags & JOURNAL_BUF_LOST;
+	if (r->device < INT16_MIN || r->device > INT16_MAX)
+		return fail(err, BB_ERR_PROTOCOL, "buffer %" PRIu64 ": device %d out of range",
+			    r->id, (int)r->device);
+
 	broker_buf *buf = calloc(1, sizeof(*buf));
 	if (!buf)
 		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
@@ -1971,7 +2056,19 @@ static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *produ
 	}
 	uid_usage *u = usage_of(b, r->owner_uid, true);
 	char msg[BROKER_ERR_LEN] = "";
-	int rc = u ? mem(ctx, be, r, &buf->mem, msg, sizeof(msg)) : BB_ERR_NO_MEMORY;
+	buf->mem.fd = -1;
+	int rc = !u     ? BB_ERR_NO_MEMORY
+		 : lost ? BROKER_RESTORE_LOST
+			: mem(ctx, be, r, &buf->mem, msg, sizeof(msg));
+	if (rc == BROKER_RESTORE_LOST) {
+		/* Kept as a record, FAILED, so that its holders learn why. */
+		rc = 0;
+		lost = true;
+		be = &gone_backend;
+		buf->mem = (backend_mem){.fd = -1};
+		if (!(r->flags & JOURNAL_BUF_LOST))
+			b->restored_lost++;
+	}
 	if (rc) {
 		fail(err, rc, "buffer %" PRIu64 ": %s", r->id, msg[0] ? msg : "no memory for it");
 		free(buf->name);
@@ -1981,8 +2078,9 @@ static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *produ
 	buf->id = r->id;
 	buf->size = r->size;
 	buf->kind = (uint8_t)r->kind;
-	buf->device = r->device;
+	buf->device = (int16_t)r->device;
 	buf->state = (uint8_t)r->state;
+	buf->flags = (uint8_t)(r->flags & (BUF_IMPORTED | BUF_EXPOSED | BUF_LOST));
 	buf->owner_uid = r->owner_uid;
 	buf->owner_gid = r->owner_gid;
 	buf->share = (uint8_t)r->share;
@@ -1990,7 +2088,16 @@ static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *produ
 	buf->created_ms = now(b);
 	buf->be = be;
 	buf->jslot = JOURNAL_NO_SLOT;
-	if (r->state == BB_FAILED && !(buf->error = strdup(r->error)))
+	const char *error = r->error;
+	if (lost && !(r->flags & JOURNAL_BUF_LOST)) {
+		/* Lost now: FAILED with why (one that had failed already keeps
+		 * its own message: that is what its producer said). */
+		if (r->state != BB_FAILED)
+			error = msg[0] ? msg : "its memory was not kept across the restart";
+		buf->state = BB_FAILED;
+		buf->flags |= BUF_LOST;
+	}
+	if (buf->state == BB_FAILED && !(buf->error = strdup(error)))
 		buf->error = error_unstored;
 	if (idmap_insert(&b->by_id, buf, 0)) {
 		be->free(be, &buf->mem);
@@ -2007,12 +2114,21 @@ static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *produ
 		buf->producer = producer;
 		DL_APPEND2(producer->produced, buf, pprev, pnext);
 	}
+	b->restored++;
+	if (lost) {
+		if (u->buffers == 0) {
+			HASH_DELETE(hh, b->uids, u);
+			free(u);
+		}
+		return 0;
+	}
 	u->buffers++;
 	u->bytes[buf->kind] += buf->size;
 	b->buffers[buf->kind]++;
 	b->bytes[buf->kind] += buf->size;
 	b->cuda_buffers[buf->cuda_handle]++;
 	b->cuda_bytes[buf->cuda_handle] += buf->size;
+	keep(b, buf, true);
 	return 0;
 }
 
@@ -2090,7 +2206,13 @@ static int restore_state(broker *b, const journal_state *s, broker_conn **conns,
 		conn->last_request = r->last_request;
 		conn->applied_mask = r->applied_mask;
 		conn->jslot = JOURNAL_NO_SLOT;
+		/* Absent until resumed; a deadline kept from an earlier start
+		 * stands (a second crash does not extend it). */
 		conn->absent = true;
+		conn->grace_ms = r->grace_ms ? r->grace_ms : now(b) + b->grace_ms;
+		if (!conn->grace_ms)
+			conn->grace_ms = 1; /* 0 would read as connected */
+		b->nabsent++;
 		memcpy(conn->secret, r->secret, sizeof(conn->secret));
 		DL_APPEND(b->conns, conn);
 		b->nconns++;
@@ -2152,6 +2274,7 @@ static void restore_undo(broker *b)
 	while ((s = idmap_next(&b->by_id, NULL)))
 		destroy(b, s->item);
 	b->j = j;
+	b->restored = b->restored_lost = 0;
 }
 
 int broker_restore(broker *b, int fd, broker_restore_mem mem, void *ctx, broker_error *err)
@@ -2185,12 +2308,59 @@ int broker_restore(broker *b, int fd, broker_restore_mem mem, void *ctx, broker_
 	return 0;
 }
 
-/* ---- sessions across a restart: resume and exactly once ---------------------- */
+/* ---- sessions across a restart ------------------------------------------- */
 
-/* Helper A's (i14-core), here until that branch is merged: the same body. */
 uint64_t broker_conn_session(const broker_conn *conn)
 {
 	return conn->session;
+}
+
+bool broker_conn_absent(const broker_conn *conn)
+{
+	return conn->absent;
+}
+
+uint32_t broker_absent_sessions(const broker *b)
+{
+	return b->nabsent;
+}
+
+uint32_t broker_release_absent(broker *b)
+{
+	if (!b->nabsent)
+		return 0;
+	uint64_t t = now(b);
+	uint32_t n = 0;
+	broker_conn *conn, *tmp;
+	DL_FOREACH_SAFE (b->conns, conn, tmp) {
+		if (conn->absent && conn->grace_ms <= t) {
+			broker_conn_close(b, conn); /* as a disconnect, one transaction */
+			n++;
+		}
+	}
+	return n;
+}
+
+uint64_t broker_next_grace(const broker *b)
+{
+	uint64_t next = 0;
+	if (!b->nabsent)
+		return 0;
+	for (const broker_conn *conn = b->conns; conn; conn = conn->next)
+		if (conn->absent && (!next || conn->grace_ms < next))
+			next = conn->grace_ms;
+	return next;
+}
+
+void broker_set_grace(broker *b, uint64_t grace_ms)
+{
+	b->grace_ms = grace_ms;
+}
+
+void broker_restored(const broker *b, uint64_t *buffers, uint64_t *lost)
+{
+	*buffers = b->restored;
+	*lost = b->restored_lost;
 }
 
 void broker_conn_secret(const broker_conn *conn, unsigned char out[BB_TOKEN_SIZE])
@@ -2243,6 +2413,8 @@ int broker_session_resume(broker *b, uint64_t session, const unsigned char *secr
 		return fail(err, BB_ERR_EXISTS,
 			    "session %" PRIu64 " is attached to a live connection", session);
 	conn->absent = false;
+	conn->grace_ms = 0;
+	b->nabsent--;
 	conn->resumed = true;
 	conn->opened_ms = now(b);
 	jput_session(b, conn);

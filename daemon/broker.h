@@ -46,6 +46,7 @@
 
 struct journal;
 struct journal_buffer;
+struct broker_kept;
 typedef struct broker broker;
 typedef struct broker_conn broker_conn;
 typedef struct broker_buf broker_buf;
@@ -76,7 +77,25 @@ typedef struct broker_config {
 	 * changes state, one transaction per call; NULL: off (each mutation
 	 * pays one predictable branch). Borrowed: it must outlive the broker. */
 	struct journal *journal;
+	/* The fd store (docs/RESTART.md): keep(keep_ctx, k, true) when a
+	 * buffer's memory becomes live (alloc, import, restore; inside the
+	 * call, before its commit, so before any Grant of it is sent), and
+	 * keep(keep_ctx, k, false) when the buffer is freed (inside the call
+	 * that frees it, before its commit: what must follow the commit is the
+	 * callee's to defer). Not called for a buffer whose memory was lost at
+	 * a restart. NULL: none. */
+	void (*keep)(void *keep_ctx, const struct broker_kept *k, bool live);
+	void *keep_ctx;
 } broker_config;
+
+/* What the fd store needs of one buffer (broker_config.keep). */
+typedef struct broker_kept {
+	uint64_t id;
+	int kind;            /* bb_kind */
+	int cuda_handle;     /* bb_cuda_handle; 0 host */
+	int fd;              /* host: its memfd (borrowed); -1 otherwise */
+	uint64_t allocation; /* VMM CUDA: the allocation whose fd it lives in; 0 otherwise */
+} broker_kept;
 
 /* A snapshot of one buffer, as Stat and List report it. */
 typedef struct broker_info {
@@ -310,8 +329,14 @@ void broker_conn_note_request(broker_conn *conn, uint64_t id);
 uint64_t broker_journal_errors(const broker *b);
 
 /* The memory of a buffer being restored, from its record: 0 and *out, or
- * an error (the restore fails with it). be is the broker's backend for the
- * record's kind. */
+ * BROKER_RESTORE_LOST with err saying why (the memory was not kept: the
+ * buffer is restored FAILED with that message, memoryless, its bytes not
+ * counted against any limit; its references and tokens stay), or an error
+ * (the restore fails with it). be is the broker's backend for the record's
+ * kind. Records of buffers already lost at an earlier start are not asked
+ * for (they stay lost). be is NULL when the daemon serves no such kind
+ * now. */
+#define BROKER_RESTORE_LOST 1
 typedef int (*broker_restore_mem)(void *ctx, backend *be, const struct journal_buffer *rec,
 				  backend_mem *out, char *err, size_t len);
 
@@ -346,6 +371,9 @@ uint64_t broker_next_grace(const broker *b);
 /* [helper A] The grace period given to sessions broker_restore brings back
  * (ms); set before broker_restore. Default 10 000. */
 void broker_set_grace(broker *b, uint64_t grace_ms);
+/* Buffers broker_restore rebuilt, and how many of them had lost their
+ * memory (BROKER_RESTORE_LOST: FAILED). */
+void broker_restored(const broker *b, uint64_t *buffers, uint64_t *lost);
 
 /* [helper B] The 16-byte secret that resumes conn's session (random, made
  * by broker_conn_open, journaled with the session). */

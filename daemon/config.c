@@ -106,6 +106,10 @@ static const key keys[] = {
 	{"log", "level", "log-level", KEY_LEVEL, OFF(log_level), 0, 0, false, true},
 	{"metrics", "listen", "metrics-listen", KEY_LISTEN, OFF(own_metrics), 0, 0, false, false},
 	{"restart", "journal", "restart", KEY_BOOL, OFF(server.journal), 0, 0, false, false},
+	{"restart", "strict", "restart-strict", KEY_BOOL, OFF(server.restart_strict), 0, 0, false,
+	 false},
+	{"restart", "grace_ms", "restart-grace", KEY_U64, OFF(server.restart_grace_ms), 0,
+	 UINT64_MAX, false, false},
 };
 
 #define NKEYS (sizeof(keys) / sizeof(keys[0]))
@@ -562,6 +566,7 @@ void config_init(config *c)
 	c->server.send_timeout_ms = 30000;
 	c->server.conn_inflight = 2048;
 	c->server.host_pool = BACKEND_HOST_POOL_DEFAULT;
+	c->server.restart_grace_ms = 10000;
 	broker_limits_default(&c->server.limits);
 	c->server.limits.host_buffers = 0; /* what the open-file limit leaves (server.h) */
 	backend_cuda_config_default(&c->server.cuda);

@@ -78,6 +78,9 @@ void handler_session_close(session *s, const char *why);
 
 /* Retry every parked alloc once, oldest first (a backend job is done). */
 void handler_retry_allocs(handler *h);
+/* The broker was rebuilt from a kept state (docs/RESTART.md): its restored
+ * tokens expire at their own deadlines from now on. */
+void handler_restored(handler *h);
 /* The broker's invariants (broker_check) and the checks it cannot make
  * itself: its totals against each backend's books, its connections and
  * waits against the sessions'. One line per problem into report (cap

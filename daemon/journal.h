@@ -58,10 +58,13 @@ typedef struct journal_buffer {
 	uint32_t state;       /* bb_state */
 	uint32_t owner_uid;
 	uint32_t owner_gid;
-	uint32_t share;                    /* BB_SHARE_* */
-	uint32_t flags;                    /* JOURNAL_BUF_*: */
-#define JOURNAL_BUF_IMPORTED 1u            /* its fd came from a client (ImportFd) */
-#define JOURNAL_BUF_EXPOSED 2u             /* granted to another uid: its memfd is never pooled */
+	uint32_t share;         /* BB_SHARE_* */
+	uint32_t flags;         /* JOURNAL_BUF_*: */
+#define JOURNAL_BUF_IMPORTED 1u /* its fd came from a client (ImportFd) */
+#define JOURNAL_BUF_EXPOSED 2u  /* granted to another uid: its memfd is never pooled */
+#define JOURNAL_BUF_LOST \
+	4u                                 /* its memory was not kept across a restart:
+					    * FAILED, memoryless (broker_restore) */
 	char name[BB_NAME_MAX + 1];        /* "" unnamed */
 	char error[JOURNAL_ERROR_MAX + 1]; /* FAILED: the message */
 } journal_buffer;

@@ -90,8 +90,12 @@ static void usage(FILE *out)
 		"  --metrics-listen ADDRESS:PORT\n"
 		"                         serve Prometheus metrics over HTTP there, e.g.\n"
 		"                         127.0.0.1:9464 (default: off)\n"
-		"  --restart              keep the state journal for live restart\n"
-		"                         (experimental: nothing survives a restart yet)\n"
+		"  --restart              keep the state journal and the buffers' fds so that\n"
+		"                         buffers survive a restart (systemd's fd store)\n"
+		"  --restart-strict       a kept state that is refused fails the start\n"
+		"                         (default: start empty)\n"
+		"  --restart-grace MS     how long a restored session waits to be resumed\n"
+		"                         (default 10000)\n"
 		"  --log-level LEVEL      error, warn, info (default) or debug\n"
 		"  --version              print the version and exit\n"
 		"  --help                 print this help and exit\n"
@@ -134,6 +138,8 @@ static const struct option options[] = {
 	{"no-cuda", no_argument, NULL, OPT_KEY},
 	{"metrics-listen", required_argument, NULL, OPT_KEY},
 	{"restart", no_argument, NULL, OPT_KEY},
+	{"restart-strict", no_argument, NULL, OPT_KEY},
+	{"restart-grace", required_argument, NULL, OPT_KEY},
 	{"config", required_argument, NULL, OPT_CONFIG},
 	{"check-config", required_argument, NULL, OPT_CHECK_CONFIG},
 	{"version", no_argument, NULL, OPT_VERSION},

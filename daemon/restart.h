@@ -28,44 +28,66 @@ struct journal;
 typedef struct restart restart;
 
 typedef struct restart_config {
-	bool journal;        /* [restart] journal: keep state at all */
-	bool strict;         /* [restart] strict: a kept state that is refused
+	bool journal;       /* [restart] journal: keep state at all */
+	bool strict;        /* [restart] strict: a kept state that is refused
 			      * makes the start fail (exit non-zero) instead of
 			      * starting empty */
-	uint64_t grace_ms;   /* [restart] grace: absent sessions' grace period */
-	uint64_t store_max;  /* FileDescriptorStoreMax as known ($FDSTORE), 0 unknown */
+	uint64_t grace_ms;  /* [restart] grace: absent sessions' grace period */
+	uint64_t store_max; /* FileDescriptorStoreMax as known ($FDSTORE), 0 unknown */
 } restart_config;
 
 /* What the start found (logs, metrics, ServerStatus). */
 typedef struct restart_stats {
-	uint64_t restarts;            /* starts from a kept state (journal header) */
-	uint64_t restored_buffers;    /* buffers rebuilt by this process */
-	uint64_t failed_legacy;       /* legacy CUDA buffers made FAILED at start */
-	uint64_t failed_missing;      /* buffers whose fd was not kept: FAILED */
-	uint64_t orphans_closed;      /* stored fds no buffer named */
-	uint64_t unprotected;         /* live buffers whose fd could not be stored */
-	uint64_t store_errors;        /* FDSTORE sends that failed */
-	uint64_t start_us;            /* the restore's duration */
-	bool refused;                 /* a kept state was refused: started empty */
+	uint64_t restarts;         /* starts from a kept state (journal header) */
+	uint64_t restored_buffers; /* buffers rebuilt by this process */
+	uint64_t failed_legacy;    /* legacy CUDA buffers made FAILED at start */
+	uint64_t failed_missing;   /* buffers whose fd was not kept: FAILED */
+	uint64_t orphans_closed;   /* stored fds no buffer named */
+	uint64_t unprotected;      /* live buffers whose fd could not be stored */
+	uint64_t store_errors;     /* FDSTORE sends that failed */
+	uint64_t start_us;         /* the restore's duration */
+	bool refused;              /* a kept state was refused: started empty */
 	char refused_why[256];
 } restart_stats;
 
 /* [helper A] Take what LISTEN_FDS/LISTEN_FDNAMES passed (the listening
- * socket, journal-G, b<id>, a<id>; unsets the variables), create the
- * journal (cfg->journal) and, when a kept state is there, rebuild broker b
- * from it with the backends adopting the fds (docs/RESTART.md, "Starting
- * from a kept state"); store the new journal generation and remove the old
- * one and the orphans. *listen_fd: the passed listening socket, or -1.
- * 0, or an error with why (then the daemon does not start). */
-int restart_start(restart **out, const restart_config *cfg, broker *b, backend *host,
-		  backend *cuda, int *listen_fd, char *why, size_t len);
+ * socket, journal-G, b<id>, a<id>; unsets the variables) and create the
+ * journal (cfg->journal; generation one above the highest passed), which
+ * the broker is then made with (restart_journal). Nothing is rebuilt yet.
+ * 0, or an error with why (then the daemon does not start).
+ * (Refined from the contract's single restart_start: the broker needs the
+ * journal before it exists, and restart_start needs the broker.) */
+int restart_new(restart **out, const restart_config *cfg, char *why, size_t len);
+/* [helper A] When a kept state was passed, rebuild broker b from it (made
+ * with restart_journal(r) and broker_config.keep = restart_keep, its
+ * backends set) with the backends adopting the fds (docs/RESTART.md,
+ * "Starting from a kept state"); store the new journal generation and
+ * remove the old one and the orphans. A state that is refused: logged
+ * (restart_refused), every stored fd removed and closed, b left empty; or,
+ * with cfg->strict, an error. *listen_fd: the passed listening socket, or
+ * -1. 0, or an error with why (then the daemon does not start). */
+int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *listen_fd, char *why,
+		  size_t len);
 void restart_free(restart *r);
-/* The journal to hand the broker (broker_config.journal), or NULL when off.
- * [helper A] restart_start may need to create it before the broker exists:
- * the split between restart_new (journal) and restart_start (fds, rebuild)
- * is helper A's to settle. */
+/* The journal to hand the broker (broker_config.journal), or NULL when off. */
 struct journal *restart_journal(restart *r);
+/* The broker's fd store hook (broker_config.keep, keep_ctx r): dispatches
+ * to restart_store_buffer / _allocation and their removals (an
+ * allocation's fd goes in with its first live buffer and out with its
+ * last). */
+void restart_keep(void *r, const broker_kept *k, bool live);
+/* The journal generation this process writes (journal-G), 0 when off. */
+uint64_t restart_generation(const restart *r);
+
+/* What a stored fd's name says (FDNAME, LISTEN_FDNAMES): RESTART_NAME_JOURNAL
+ * ("journal-G", *id = G > 0), _BUFFER ("b<id>", id > 0), _ALLOCATION
+ * ("a<id>", id > 0), or _OTHER (anything else: a socket's name, a name this
+ * daemon does not make). Decimal without sign or leading zero, no more than
+ * fits 64 bits. */
+enum { RESTART_NAME_OTHER, RESTART_NAME_JOURNAL, RESTART_NAME_BUFFER, RESTART_NAME_ALLOCATION };
+int restart_name_parse(const char *name, uint64_t *id);
 const restart_stats *restart_get_stats(const restart *r);
+const restart_config *restart_config_of(const restart *r);
 
 /* [helper A] The broker's store hooks: a buffer's or allocation's fd goes
  * into the store before its first Grant is sent, comes out after the commit

@@ -28,6 +28,7 @@
 #include "cuda_api.h"
 #include "handler.h"
 #include "journal.h"
+#include "restart.h"
 #include "log.h"
 #include "metrics.h"
 #include "park.h"
@@ -42,7 +43,8 @@ struct server {
 	uv_loop_t *loop;             /* the loop everything runs on */
 	server_config cfg;           /* as given (reload changes the live part) */
 	broker *b;                   /* the state machine */
-	journal *journal;            /* [restart] journal: the broker's, or NULL */
+	restart *restart;            /* the fd store and the start from it (restart.h) */
+	uv_timer_t grace_timer;      /* the next absent session's grace deadline */
 	backend *host;               /* host backend */
 	backend *cuda;               /* CUDA backend, or NULL (cuda_why says why) */
 	char cuda_why[256];          /* why CUDA is not served; "" when it is */
@@ -198,31 +200,6 @@ err_file:
 	unlink(bound);
 	close(fd);
 	return -1;
-}
-
-/* The socket systemd (or systemd-socket-activate) passed, if any. */
-static int take_passed_socket(server *s)
-{
-	int n = sd_listen_fds(1);
-	if (n <= 0)
-		return n;
-	if (n > 1) {
-		log_error("event=listen_failed error=\"systemd passed %d sockets; expected one\"",
-			  n);
-		return -1;
-	}
-	int fd = SD_LISTEN_FDS_START;
-	if (sd_is_socket_unix(fd, SOCK_SEQPACKET, 1, NULL, 0) <= 0) {
-		log_error("event=listen_failed error=\"the passed fd is not a listening "
-			  "SOCK_SEQPACKET unix socket\"");
-		return -1;
-	}
-	int fl = fcntl(fd, F_GETFL);
-	fcntl(fd, F_SETFL, fl | O_NONBLOCK);
-	fcntl(fd, F_SETFD, FD_CLOEXEC);
-	s->listen_fd = fd;
-	s->own_socket_file = false;
-	return 1;
 }
 
 bool server_allows(const server_config *cfg, uint32_t uid, uint32_t gid, const uint32_t *groups,
@@ -480,6 +457,12 @@ static int fds_start(server *s, const server_config *cfg)
 			    : SERVER_NOFILE_MAX;
 	int own = metrics_open_fds();
 	s->fds_own = own > 0 ? (uint64_t)own : SERVER_FDS_SPARE;
+	/* Restored host buffers' memfds are open already: the host-buffer
+	 * limit counts them, not the daemon's own. */
+	broker_totals t;
+	broker_totals_get(s->b, &t);
+	if (own > 0 && s->fds_own > t.buffers[BB_HOST] + 1)
+		s->fds_own -= t.buffers[BB_HOST];
 	if (fd_budget(s, cfg, &s->host_buffers, why, sizeof(why)) < 0) {
 		log_error("event=start_failed error=\"%s\"", why);
 		return -1;
@@ -538,6 +521,8 @@ static void on_reap(uv_check_t *h)
 {
 	server *s = h->data;
 	uv_idle_stop(&s->reap_soon);
+	/* Freed buffers leave the fd store after the commits that freed them. */
+	restart_flush(s->restart);
 	if (s->retry_allocs) {
 		s->retry_allocs = false;
 		handler_retry_allocs(s->h);
@@ -667,7 +652,7 @@ static conn_limits limits_of(const server_config *cfg)
 /* What server_start and server_start_detached share: the layers from the
  * backends up to the transport, the timers and the reaper. *out is set
  * once s is allocated. */
-static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
+static int server_init(server **out, uv_loop_t *loop, const server_config *cfg, bool passed)
 {
 	server *s = calloc(1, sizeof(*s));
 	*out = s;
@@ -681,14 +666,25 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 	s->reserve_fd = -1;
 	raise_nofile();
 	broker_config bc = {.limits = cfg->limits};
-	if (cfg->journal) {
+	if (passed || cfg->journal) {
+		/* What systemd passed (the listening socket, a kept state) and
+		 * the journal the broker writes. */
 		char why[256];
-		if (journal_create(NULL, &s->journal, why, sizeof(why))) {
-			log_error("event=start_failed error=\"the state journal: %s\"", why);
+		restart_config rc = {
+			.journal = cfg->journal,
+			.strict = cfg->restart_strict,
+			.grace_ms = cfg->restart_grace_ms,
+		};
+		if (restart_new(&s->restart, &rc, why, sizeof(why)) < 0) {
+			log_error("event=start_failed error=\"%s\"", why);
 			return -1;
 		}
-		bc.journal = s->journal;
-		log_info("event=journal_on fd=%d", journal_fd(s->journal));
+		bc.journal = restart_journal(s->restart);
+		bc.keep = restart_keep;
+		bc.keep_ctx = s->restart;
+		if (bc.journal)
+			log_info("event=journal_on fd=%d generation=%" PRIu64,
+				 journal_fd(bc.journal), restart_generation(s->restart));
 	}
 	s->b = broker_new(&bc);
 	s->host = backend_host_new();
@@ -697,6 +693,7 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 		return -1;
 	}
 	broker_set_backend(s->b, BB_HOST, s->host, NULL);
+	broker_set_grace(s->b, cfg->restart_grace_ms);
 	/* Safe because the broker's grant reports cross-uid sends to the
 	 * backend (its expose); on failure pooling stays off. */
 	backend_host_pool(s->host, cfg->host_pool, BACKEND_HOST_POOL_PER_CLASS_DEFAULT);
@@ -740,22 +737,74 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg)
 	uv_check_start(&s->reaper, on_reap);
 	uv_idle_init(loop, &s->reap_soon);
 	s->reap_soon.data = s;
+	uv_timer_init(loop, &s->grace_timer);
+	s->grace_timer.data = s;
 	return 0;
+}
+
+static uint64_t mono_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Restored sessions nobody resumed within the grace period are closed as
+ * disconnects (docs/RESTART.md, "The grace period"); the timer follows the
+ * earliest deadline (the broker's clock is CLOCK_MONOTONIC). */
+static void on_grace(uv_timer_t *t)
+{
+	server *s = t->data;
+	uint32_t n = broker_release_absent(s->b);
+	if (n)
+		log_info("event=sessions_released count=%u reason=\"not resumed within the grace "
+			 "period\" absent=%u",
+			 n, broker_absent_sessions(s->b));
+	uint64_t next = broker_next_grace(s->b);
+	if (next) {
+		uint64_t now = mono_ms();
+		uv_timer_start(&s->grace_timer, on_grace, next > now ? next - now : 0, 0);
+	}
+}
+
+/* The store must hold one fd per host buffer, one per VMM allocation and
+ * two journals (docs/OPERATIONS.md, "Restarts and upgrades"). */
+static void check_store_max(server *s)
+{
+	uint64_t max = s->restart ? restart_config_of(s->restart)->store_max : 0;
+	uint64_t vmm = s->cuda ? backend_cuda_config_of(s->cuda)->vmm_allocations : 0;
+	uint64_t need = s->host_buffers + vmm + 2;
+	if (max && max < need)
+		log_warn("event=fdstore_too_small fdstore_max=%" PRIu64 " needed=%" PRIu64
+			 " host_buffers=%" PRIu64 " vmm_allocations=%" PRIu64
+			 " note=\"buffers past it are lost at a restart: raise "
+			 "FileDescriptorStoreMax= in the unit\"",
+			 max, need, s->host_buffers, vmm);
 }
 
 int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 {
-	if (server_init(out, loop, cfg) < 0)
+	if (server_init(out, loop, cfg, true) < 0)
 		return -1;
 	server *s = *out;
+	char why[512];
+	/* The passed socket, and the state kept across a restart. */
+	if (restart_start(s->restart, s->b, s->host, s->cuda, &s->listen_fd, why, sizeof(why)) <
+	    0) {
+		log_error("event=start_failed error=\"%s\"", why);
+		return -1;
+	}
+	int passed = s->listen_fd >= 0;
 	/* Before listening: a daemon whose limits do not fit makes no socket. */
 	if (fds_start(s, cfg) < 0)
 		return -1;
-	int passed = take_passed_socket(s);
-	if (passed < 0)
+	check_store_max(s);
+	if (passed)
+		s->own_socket_file = false;
+	else if (listen_on(s) < 0)
 		return -1;
-	if (passed == 0 && listen_on(s) < 0)
-		return -1;
+	on_grace(&s->grace_timer);
+	handler_restored(s->h);
 
 	uv_poll_init(loop, &s->listen_poll, s->listen_fd);
 	s->listen_poll.data = s;
@@ -775,7 +824,7 @@ int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 
 int server_start_detached(server **out, uv_loop_t *loop, const server_config *cfg)
 {
-	if (server_init(out, loop, cfg) < 0)
+	if (server_init(out, loop, cfg, false) < 0)
 		return -1;
 	return fds_start(*out, cfg);
 }
@@ -858,7 +907,7 @@ void server_shutdown(server *s)
 	if (s->own_socket_file)
 		unlink(s->cfg.socket_path);
 	broker_free(s->b);
-	journal_free(s->journal);
+	restart_free(s->restart); /* after the broker: its frees reach the table */
 	/* Buffers that tokens kept alive were freed just now; their backend
 	 * jobs must finish before the backend goes. */
 	if (s->loop)

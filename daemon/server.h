@@ -68,7 +68,9 @@ typedef struct server_config {
 	bool no_cuda;            /* --no-cuda: serve host buffers only */
 	bool journal;            /* [restart] journal, --restart: keep the state
 				  * journal (docs/RESTART.md; experimental) */
-	backend_cuda_config cuda; /* slab, cache and device limits */
+	bool restart_strict;     /* [restart] strict: a refused kept state fails the start */
+	uint64_t restart_grace_ms; /* [restart] grace: restored sessions' grace period */
+	backend_cuda_config cuda;  /* slab, cache and device limits */
 } server_config;
 
 /* Listen (or take the socket systemd passed), set up the layers, timers

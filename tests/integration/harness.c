@@ -38,6 +38,8 @@
 static bbt_daemon g_daemons[BBT_MAX_DAEMONS];
 static int g_ndaemons;
 
+static int sd_end(bbt_daemon *d, const char *cmd);
+
 /* ---- time --------------------------------------------------------------- */
 
 int64_t bbt_now_ms(void)
@@ -95,12 +97,12 @@ static int reap_within(pid_t pid, int timeout_ms, int *status)
 	}
 }
 
-static pid_t spawn_daemon(bbt_daemon *d)
+/* The daemon's command line into argv (room for BBT_MAX_ARGS + 8): its
+ * number of arguments. */
+static int daemon_argv(const bbt_daemon *d, const char **argv)
 {
 	const char *exe = getenv("BUFBROKERD");
-	const char *argv[BBT_MAX_ARGS + 8];
 	int argc = 0;
-	pid_t parent = getpid();
 
 	cr_assert(exe && *exe, "BUFBROKERD is not set (ctest sets it to the built daemon)");
 	argv[argc++] = exe;
@@ -116,7 +118,16 @@ static pid_t spawn_daemon(bbt_daemon *d)
 		argv[argc++] = bbt_cuda_handle();
 	}
 	argv[argc] = NULL;
+	return argc;
+}
 
+static pid_t spawn_daemon(bbt_daemon *d)
+{
+	const char *argv[BBT_MAX_ARGS + 8];
+	pid_t parent = getpid();
+
+	daemon_argv(d, argv);
+	const char *exe = argv[0];
 	pid_t pid = fork();
 	cr_assert(pid >= 0, "fork: %s", strerror(errno));
 	if (pid == 0) {
@@ -172,7 +183,8 @@ static void wait_listening(bbt_daemon *d)
 	}
 }
 
-bbt_daemon *bbt_start(const char *const *extra)
+/* A new daemon slot with a fresh directory and these arguments. */
+static bbt_daemon *new_daemon(const char *const *extra)
 {
 	cr_assert(g_ndaemons < BBT_MAX_DAEMONS, "too many daemons in one test");
 	bbt_daemon *d = &g_daemons[g_ndaemons];
@@ -190,6 +202,12 @@ bbt_daemon *bbt_start(const char *const *extra)
 		d->args[n] = extra[n];
 	}
 	d->args[n] = NULL;
+	return d;
+}
+
+bbt_daemon *bbt_start(const char *const *extra)
+{
+	bbt_daemon *d = new_daemon(extra);
 	d->pid = spawn_daemon(d);
 	wait_listening(d);
 	return d;
@@ -197,6 +215,7 @@ bbt_daemon *bbt_start(const char *const *extra)
 
 void bbt_restart(bbt_daemon *d)
 {
+	cr_assert(!d->sd_pid, "bbt_restart: not for a daemon under the systemd stand-in");
 	cr_assert(d->pid < 0, "bbt_restart: the daemon is still running");
 	d->pid = spawn_daemon(d);
 	wait_listening(d);
@@ -205,6 +224,8 @@ void bbt_restart(bbt_daemon *d)
 int bbt_stop(bbt_daemon *d)
 {
 	int status;
+	if (d->sd_pid)
+		return sd_end(d, "stop");
 	if (d->pid < 0)
 		return -1;
 	kill(d->pid, SIGTERM);
@@ -238,6 +259,10 @@ void bbt_stop_clean(bbt_daemon *d)
 void bbt_kill(bbt_daemon *d)
 {
 	int status;
+	if (d->sd_pid) {
+		sd_end(d, "kill");
+		return;
+	}
 	if (d->pid < 0)
 		return;
 	kill(d->pid, SIGKILL);
@@ -445,6 +470,307 @@ int bbt_daemon_set_nofile(const bbt_daemon *d, long soft)
 	return prlimit(d->pid, RLIMIT_NOFILE, &rl, NULL);
 }
 
+/* ---- the daemon under the systemd stand-in (fakesd.c) -------------------- */
+
+#define BBT_SD_CTL_TIMEOUT_MS 10000
+
+/* One command to the stand-in (its control socket, one connection a
+ * command): the answer's length (NUL-terminated in out), or -errno. When
+ * fd_out is not NULL it gets the fd that came with the answer, or -1. */
+static int sd_ctl(const bbt_daemon *d, const char *cmd, char *out, size_t cap, int *fd_out,
+		  int timeout_ms)
+{
+	char path[192];
+	snprintf(path, sizeof(path), "%s/fakesd.ctl", d->dir);
+	if (fd_out)
+		*fd_out = -1;
+	int s = bbt_raw_connect(path);
+	if (s < 0)
+		return s;
+	if (send(s, cmd, strlen(cmd), MSG_NOSIGNAL) < 0) {
+		int e = -errno;
+		close(s);
+		return e;
+	}
+	struct pollfd p = {.fd = s, .events = POLLIN};
+	if (poll(&p, 1, bbt_ms(timeout_ms)) != 1) {
+		close(s);
+		return -ETIMEDOUT;
+	}
+	union {
+		struct cmsghdr h;
+		char b[CMSG_SPACE(sizeof(int))];
+	} ctl;
+	struct iovec iov = {.iov_base = out, .iov_len = cap - 1};
+	struct msghdr mh = {.msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = ctl.b,
+			    .msg_controllen = sizeof(ctl.b)};
+	ssize_t n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
+	int e = n < 0 ? -errno : 0;
+	close(s);
+	if (n <= 0)
+		return n == 0 ? -ECONNRESET : e;
+	out[n] = '\0';
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+			int fd;
+			memcpy(&fd, CMSG_DATA(c), sizeof(fd));
+			if (fd_out && *fd_out < 0)
+				*fd_out = fd;
+			else
+				close(fd);
+		}
+	return (int)n;
+}
+
+int bbt_sd_status(const bbt_daemon *d, bbt_sd_state *st)
+{
+	char out[512];
+	memset(st, 0, sizeof(*st));
+	int n = sd_ctl(d, "status", out, sizeof(out), NULL, BBT_SD_CTL_TIMEOUT_MS);
+	if (n < 0)
+		return n;
+	int pid = -1, ready = 0;
+	if (sscanf(out,
+		   "pid=%d gen=%u ready=%d state=%15s stored=%u max=%u refused=%u exfull=%u dups=%u "
+		   "readys=%u",
+		   &pid, &st->gen, &ready, st->state, &st->stored, &st->max, &st->refused,
+		   &st->exfull, &st->dups, &st->readys) != 10)
+		return -EBADMSG;
+	st->pid = pid;
+	st->ready = ready != 0;
+	return 0;
+}
+
+/* Poll the stand-in until start gen >= want_gen has said READY=1 (true),
+ * or fakesd died or the deadline passed (false); *st: the last status. */
+static bool sd_until_ready(bbt_daemon *d, unsigned want_gen, int timeout_ms, bbt_sd_state *st)
+{
+	int64_t deadline = bbt_now_ms() + bbt_ms(timeout_ms);
+	for (;;) {
+		int status;
+		if (waitpid(d->sd_pid, &status, WNOHANG) == d->sd_pid) {
+			d->sd_pid = 0;
+			d->pid = -1;
+			return false;
+		}
+		if (bbt_sd_status(d, st) == 0 && st->gen >= want_gen && st->ready && st->pid > 0) {
+			d->pid = st->pid;
+			return true;
+		}
+		if (bbt_now_ms() >= deadline)
+			return false;
+		bbt_sleep_ms(5);
+	}
+}
+
+/* Run argv as d's service under a new stand-in. */
+static void sd_launch(bbt_daemon *d, const char *const *argv, bool wait_ready)
+{
+	const char *fakesd = getenv("BB_FAKESD");
+	cr_assert(fakesd && *fakesd, "BB_FAKESD is not set (ctest sets it to the built stand-in)");
+	char stop_ms[32];
+	snprintf(stop_ms, sizeof(stop_ms), "%d", bbt_ms(BBT_STOP_TIMEOUT_MS));
+	const char *args[BBT_MAX_ARGS + 24];
+	int argc = 0;
+	args[argc++] = fakesd;
+	args[argc++] = "--dir";
+	args[argc++] = d->dir;
+	args[argc++] = "--socket";
+	args[argc++] = d->sock;
+	args[argc++] = "--stop-ms";
+	args[argc++] = stop_ms;
+	args[argc++] = "--";
+	for (int i = 0; argv[i]; i++) {
+		cr_assert(argc < BBT_MAX_ARGS + 23, "too many arguments");
+		args[argc++] = argv[i];
+	}
+	args[argc] = NULL;
+
+	pid_t parent = getpid();
+	pid_t pid = fork();
+	cr_assert(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		int log = open(d->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+		int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		sigset_t all;
+		if (log < 0 || null < 0)
+			_exit(126);
+		dup2(null, 0);
+		dup2(log, 1);
+		dup2(log, 2);
+		close_range(3, ~0U, 0);
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (getppid() != parent)
+			_exit(125);
+		sigemptyset(&all);
+		sigprocmask(SIG_SETMASK, &all, NULL);
+		signal(SIGPIPE, SIG_DFL);
+		signal(SIGTERM, SIG_DFL);
+		signal(SIGINT, SIG_DFL);
+		unsetenv("LISTEN_FDS");
+		unsetenv("LISTEN_PID");
+		unsetenv("LISTEN_FDNAMES");
+		unsetenv("NOTIFY_SOCKET");
+		execv(fakesd, (char *const *)args);
+		_exit(127);
+	}
+	d->sd_pid = pid;
+	bbt_sd_state st;
+	if (wait_ready) {
+		if (!sd_until_ready(d, 1, BBT_START_TIMEOUT_MS, &st)) {
+			bbt_dump_log(d);
+			cr_assert_fail("the daemon under fakesd did not say READY=1 within %d ms",
+				       bbt_ms(BBT_START_TIMEOUT_MS));
+		}
+	} else {
+		int64_t deadline = bbt_now_ms() + bbt_ms(BBT_START_TIMEOUT_MS);
+		while (bbt_sd_status(d, &st) != 0 || st.pid <= 0) {
+			if (bbt_now_ms() >= deadline) {
+				bbt_dump_log(d);
+				cr_assert_fail("fakesd did not start its service within %d ms",
+					       bbt_ms(BBT_START_TIMEOUT_MS));
+			}
+			bbt_sleep_ms(5);
+		}
+		d->pid = st.pid;
+	}
+}
+
+bbt_daemon *bbt_sd_start_program(const char *const *argv, bool wait_ready)
+{
+	bbt_daemon *d = new_daemon(NULL);
+	sd_launch(d, argv, wait_ready);
+	return d;
+}
+
+bbt_daemon *bbt_start_sd(const char *const *extra)
+{
+	const char *args[BBT_MAX_ARGS];
+	const char *argv[BBT_MAX_ARGS + 8];
+	int n = 0;
+	bool restart_given = false;
+	for (; extra && extra[n]; n++) {
+		cr_assert(n < BBT_MAX_ARGS - 2, "too many daemon arguments");
+		args[n] = extra[n];
+		restart_given = restart_given || strcmp(extra[n], "--restart") == 0;
+	}
+	if (!restart_given)
+		args[n++] = "--restart";
+	args[n] = NULL;
+	bbt_daemon *d = new_daemon(args);
+	/* --socket names the stand-in's socket, which the daemon is passed
+	 * (LISTEN_FDS) and then does not bind itself. */
+	daemon_argv(d, argv);
+	sd_launch(d, argv, true);
+	return d;
+}
+
+void bbt_sd_crash(bbt_daemon *d)
+{
+	bbt_sd_state st;
+	cr_assert(d->sd_pid, "bbt_sd_crash: not a daemon under the systemd stand-in");
+	int rc = bbt_sd_status(d, &st);
+	cr_assert(rc == 0 && st.pid > 0, "bbt_sd_crash: no daemon running (%d, %s)", rc, st.state);
+	cr_assert(kill(st.pid, SIGKILL) == 0, "kill %d: %s", (int)st.pid, strerror(errno));
+	if (!sd_until_ready(d, st.gen + 1, BBT_SD_CTL_TIMEOUT_MS, &st)) {
+		bbt_dump_log(d);
+		cr_assert_fail("the daemon was not relaunched and READY within %d ms (state %s)",
+			       bbt_ms(BBT_SD_CTL_TIMEOUT_MS), st.state);
+	}
+}
+
+pid_t bbt_sd_pid(const bbt_daemon *d)
+{
+	bbt_sd_state st;
+	return bbt_sd_status(d, &st) == 0 ? st.pid : -1;
+}
+
+int bbt_sd_store_count(const bbt_daemon *d)
+{
+	bbt_sd_state st;
+	int rc = bbt_sd_status(d, &st);
+	return rc < 0 ? rc : (int)st.stored;
+}
+
+int bbt_sd_store_names(const bbt_daemon *d, char ***names)
+{
+	/* Names are up to 255 bytes: room for the store's size in them. */
+	size_t cap = (size_t)1 << 24;
+	char *out = malloc(cap);
+	cr_assert(out);
+	*names = NULL;
+	int n = sd_ctl(d, "names", out, cap, NULL, BBT_SD_CTL_TIMEOUT_MS);
+	if (n < 0) {
+		free(out);
+		return n;
+	}
+	int count = 0;
+	for (char *p = out; *p; p++)
+		count += *p == '\n';
+	char **v = calloc((size_t)count + 1, sizeof(*v));
+	cr_assert(v);
+	int i = 0;
+	for (char *save = NULL, *t = strtok_r(out, "\n", &save); t && i < count;
+	     t = strtok_r(NULL, "\n", &save))
+		v[i++] = strdup(t);
+	free(out);
+	*names = v;
+	return i;
+}
+
+void bbt_sd_names_free(char **names)
+{
+	for (int i = 0; names && names[i]; i++)
+		free(names[i]);
+	free(names);
+}
+
+int bbt_sd_store_fd(const bbt_daemon *d, const char *name)
+{
+	char cmd[300], out[64];
+	int fd;
+	snprintf(cmd, sizeof(cmd), "get %s", name);
+	int n = sd_ctl(d, cmd, out, sizeof(out), &fd, BBT_SD_CTL_TIMEOUT_MS);
+	if (n < 0)
+		return n;
+	if (strcmp(out, "ok") != 0 || fd < 0) {
+		if (fd >= 0)
+			close(fd);
+		return -ENOENT;
+	}
+	return fd;
+}
+
+int bbt_sd_set_store_max(const bbt_daemon *d, unsigned max)
+{
+	char cmd[64], out[64];
+	snprintf(cmd, sizeof(cmd), "max %u", max);
+	int n = sd_ctl(d, cmd, out, sizeof(out), NULL, BBT_SD_CTL_TIMEOUT_MS);
+	return n < 0 ? n : strcmp(out, "ok") == 0 ? 0 : -EINVAL;
+}
+
+/* "stop" (SIGTERM) or "kill" (SIGKILL) the service through the stand-in,
+ * which then exits; reap it. The daemon's wait status, or -1. */
+static int sd_end(bbt_daemon *d, const char *cmd)
+{
+	char out[64];
+	int status = -1, sd_status;
+	int n = sd_ctl(d, cmd, out, sizeof(out), NULL, BBT_STOP_TIMEOUT_MS + 2000);
+	if (n < 0 || sscanf(out, "%*s %d", &status) != 1)
+		status = -1;
+	if (n < 0)
+		kill(d->sd_pid, SIGKILL); /* the daemon dies with it (PDEATHSIG) */
+	if (reap_within(d->sd_pid, BBT_STOP_TIMEOUT_MS, &sd_status) < 0) {
+		kill(d->sd_pid, SIGKILL);
+		waitpid(d->sd_pid, &sd_status, 0);
+	}
+	d->sd_pid = 0;
+	d->pid = -1;
+	return status;
+}
+
 static void remove_dir(const char *dir)
 {
 	DIR *dp = opendir(dir);
@@ -624,38 +950,72 @@ int64_t bbt_refs_until(bb_client *c, uint64_t id, uint64_t want, int timeout_ms)
 	}
 }
 
-int bbt_server_totals(bb_client *c, bbt_totals *out)
+/* ServerStatus: 0 with *resp its answer (free with bbc_response_free), or
+ * the bbc_call / Status error. */
+static int server_status(bb_client *c, Bufbroker__Response **out)
 {
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
 	Bufbroker__Response *resp = NULL;
 
-	memset(out, 0, sizeof(*out));
 	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
 	req.server_status = &ss;
 	int rc = bbc_call(c, &req, -1, &resp, NULL);
 	if (rc != 0)
 		return rc;
-	if (!resp->status || resp->status->code != 0) {
+	if (!resp->status || resp->status->code != 0)
 		rc = resp->status ? resp->status->code : BB_ERR_PROTOCOL;
-	} else if (resp->result_case != BUFBROKER__RESPONSE__RESULT_SERVER_STATUS ||
-		   !resp->server_status) {
+	else if (resp->result_case != BUFBROKER__RESPONSE__RESULT_SERVER_STATUS ||
+		 !resp->server_status)
 		rc = BB_ERR_PROTOCOL;
-	} else {
-		const Bufbroker__ServerStatusReply *s = resp->server_status;
-		for (size_t i = 0; i < s->n_kinds; i++) {
-			out->buffers += s->kinds[i]->buffers;
-			out->bytes += s->kinds[i]->bytes;
-			if (s->kinds[i]->kind == BUFBROKER__KIND__KIND_HOST)
-				out->host_buffers += s->kinds[i]->buffers;
-		}
-		out->connections = s->connections;
-		out->tokens = s->tokens;
-		out->waits = s->waits;
-		out->pid = s->pid;
+	if (rc != 0) {
+		bbc_response_free(resp);
+		return rc;
 	}
+	*out = resp;
+	return 0;
+}
+
+int bbt_server_totals(bb_client *c, bbt_totals *out)
+{
+	Bufbroker__Response *resp = NULL;
+
+	memset(out, 0, sizeof(*out));
+	int rc = server_status(c, &resp);
+	if (rc != 0)
+		return rc;
+	const Bufbroker__ServerStatusReply *s = resp->server_status;
+	for (size_t i = 0; i < s->n_kinds; i++) {
+		out->buffers += s->kinds[i]->buffers;
+		out->bytes += s->kinds[i]->bytes;
+		if (s->kinds[i]->kind == BUFBROKER__KIND__KIND_HOST)
+			out->host_buffers += s->kinds[i]->buffers;
+	}
+	out->connections = s->connections;
+	out->tokens = s->tokens;
+	out->waits = s->waits;
+	out->pid = s->pid;
 	bbc_response_free(resp);
-	return rc;
+	return 0;
+}
+
+int bbt_server_restart(bb_client *c, bbt_restart_info *out)
+{
+	Bufbroker__Response *resp = NULL;
+
+	memset(out, 0, sizeof(*out));
+	int rc = server_status(c, &resp);
+	if (rc != 0)
+		return rc;
+	const Bufbroker__ServerStatusReply *s = resp->server_status;
+	out->restarts = s->restarts;
+	out->restored_buffers = s->restored_buffers;
+	out->absent_sessions = s->absent_sessions;
+	out->journal_bytes = s->journal_bytes;
+	out->restart_protected = s->restart_protected;
+	out->unprotected_buffers = s->unprotected_buffers;
+	bbc_response_free(resp);
+	return 0;
 }
 
 int bbt_check_problems(bb_client *c)

@@ -30,6 +30,7 @@ typedef struct bbt_daemon {
 	char log[160];                  /* dir/daemon.log: the daemon's stdout and stderr */
 	const char *args[BBT_MAX_ARGS]; /* extra arguments, NULL-terminated */
 	pid_t pid;                      /* the running daemon, or -1 */
+	pid_t sd_pid;                   /* its systemd stand-in (bbt_start_sd), or 0 */
 } bbt_daemon;
 
 /* ---- the daemon ------------------------------------------------------- */
@@ -92,6 +93,59 @@ void bbt_cleanup(void);
  * devices' accounting) through $BB_FAKECUDA's fakecuda_reset_namespace.
  * The .fini of suites that run the fake driver. */
 void bbt_cleanup_fakecuda(bool used_fake);
+
+/* ---- the daemon under a systemd stand-in (restarts) ---------------------
+ * tests/integration/fakesd.c plays systemd's part for bufbrokerd.service
+ * and bufbrokerd.socket: it owns the listening socket (passed as
+ * LISTEN_FDS with LISTEN_FDNAMES "bufbrokerd.socket"), gives the daemon a
+ * NOTIFY_SOCKET with an fd store (FDSTORE=1, FDSTOREREMOVE=1, FDNAME=,
+ * FileDescriptorStoreMax 65536 unless set), and relaunches it when it
+ * dies of a signal or exits non-zero (Restart=on-failure, after 100 ms),
+ * passing the stored fds after the socket, newest first, as systemd does.
+ * bbt_stop / bbt_kill / bbt_cleanup end the stand-in and its daemon. */
+
+/* Start $BUFBROKERD (--socket, extra, and --restart unless extra has it:
+ * the journal is on) under the stand-in; returns once the daemon said
+ * READY=1. Asserts. d->pid is the daemon's pid, kept current by the
+ * functions below. */
+bbt_daemon *bbt_start_sd(const char *const *extra);
+/* Run any program (argv[0] a path) as the service under the stand-in (for
+ * test_fakesd's toy service); wait_ready: return once it said READY=1,
+ * else once it is started. Asserts. */
+bbt_daemon *bbt_sd_start_program(const char *const *argv, bool wait_ready);
+/* SIGKILL the running daemon; returns once the stand-in relaunched it and
+ * the new process said READY=1 (asserts, within 10 s times bbt_slow). */
+void bbt_sd_crash(bbt_daemon *d);
+/* What the stand-in knows. */
+typedef struct bbt_sd_state {
+	pid_t pid;        /* the service's main process, or -1 between starts */
+	unsigned gen;     /* starts so far (1: the first) */
+	bool ready;       /* this start's process said READY=1 */
+	char state[16];   /* starting, running, stopping, auto-restart, dead */
+	unsigned stored;  /* fds in the store */
+	unsigned max;     /* FileDescriptorStoreMax */
+	unsigned refused; /* notifications refused: not from the main pid */
+	unsigned exfull;  /* notifications whose fds hit the store's limit */
+	unsigned dups;    /* fds not stored: that file was stored already */
+	unsigned readys;  /* READY=1 notifications, all starts together */
+} bbt_sd_state;
+/* 0 or -errno. */
+int bbt_sd_status(const bbt_daemon *d, bbt_sd_state *st);
+/* The current daemon pid, or -1 (between a death and its relaunch). */
+pid_t bbt_sd_pid(const bbt_daemon *d);
+/* fds in the store, or -errno. */
+int bbt_sd_store_count(const bbt_daemon *d);
+/* The stored fds' names (FDNAME=) in the order a start passes them,
+ * newest first: their number, *names a NULL-terminated array for
+ * bbt_sd_names_free; or -errno. */
+int bbt_sd_store_names(const bbt_daemon *d, char ***names);
+void bbt_sd_names_free(char **names);
+/* A dup of the (newest) stored fd of that name: the fd, -ENOENT, or
+ * -errno. The same open file: writes to it change what a restart gets. */
+int bbt_sd_store_fd(const bbt_daemon *d, const char *name);
+/* Set FileDescriptorStoreMax (takes effect for the next FDSTORE=1 and the
+ * next start's $FDSTORE): 0 or -errno. */
+int bbt_sd_set_store_max(const bbt_daemon *d, unsigned max);
 
 /* bb_connect to d's socket; asserts success. */
 bb_client *bbt_connect(const bbt_daemon *d);
@@ -159,6 +213,17 @@ typedef struct bbt_totals {
 } bbt_totals;
 /* 0 or the bbc_call / Status error. */
 int bbt_server_totals(bb_client *c, bbt_totals *out);
+/* ServerStatus's restart fields (protocol 1.3, docs/RESTART.md). */
+typedef struct bbt_restart_info {
+	uint64_t restarts;            /* starts from a kept state */
+	uint64_t restored_buffers;    /* buffers this process rebuilt */
+	uint32_t absent_sessions;     /* restored sessions not resumed yet */
+	uint64_t journal_bytes;       /* 0: journal off */
+	bool restart_protected;       /* journal on and its fds kept */
+	uint64_t unprotected_buffers; /* live buffers whose fd is not stored */
+} bbt_restart_info;
+/* 0 or the bbc_call / Status error. */
+int bbt_server_restart(bb_client *c, bbt_restart_info *out);
 /* The daemon's invariant check (the Check request): the number of
  * problems it found, each of its sentences printed to stderr after
  * "check: ", or the negative bbc_call / Status error. */

@@ -53,11 +53,25 @@ static int count_export(backend *be, const backend_mem *mem, backend_export *out
 	return 0;
 }
 
+static int count_import(backend *be, int fd, uint64_t size, backend_mem *out, char *err,
+			size_t errlen)
+{
+	(void)fd;
+	return count_alloc(be, size, 0, 0, 0, NULL, out, err, errlen);
+}
+
+static void count_expose(backend *be, const backend_mem *mem)
+{
+	(void)be, (void)mem;
+}
+
 static backend host = {
 	.name = "counting",
 	.alloc = count_alloc,
+	.import_fd = count_import,
 	.free = count_free,
 	.export_mem = count_export,
+	.expose = count_expose,
 };
 
 /* broker_restore's memory: a fresh block of the record's size. */
@@ -521,4 +535,219 @@ Test(broker_journal, applied_request_ids_commit_with_their_effect)
 	cr_assert_eq(s.applied_mask, 0);
 	broker_free(b);
 	journal_free(j);
+}
+
+/* ---- sessions across a restart, flags, lost memory ------------------------- */
+
+/* The buffer record of id in journal j. */
+static journal_buffer buffer_record(journal *j, uint64_t id)
+{
+	journal_state s;
+	char why[256];
+	cr_assert_eq(journal_read(journal_fd(j), &s, why, sizeof(why)), 0, "%s", why);
+	journal_buffer found = {0};
+	for (size_t i = 0; i < s.n_buffers; i++)
+		if (s.buffers[i].id == id)
+			found = s.buffers[i];
+	journal_state_free(&s);
+	cr_assert_eq(found.id, id, "no record of buffer %" PRIu64, id);
+	return found;
+}
+
+static broker *restored(journal *from, journal *own, uint64_t grace_ms, broker_restore_mem mem)
+{
+	broker *b = broker_with(own);
+	broker_set_grace(b, grace_ms);
+	broker_error err;
+	cr_assert_eq(broker_restore(b, journal_fd(from), mem, NULL, &err), 0, "%s", err.msg);
+	char report[1024];
+	cr_assert_eq(broker_check(b, report, sizeof(report)), 0, "%s", report);
+	return b;
+}
+
+Test(broker_journal, restored_sessions_are_absent_until_their_grace_deadline)
+{
+	journal *j1 = new_journal(), *j2 = new_journal(), *j3 = new_journal();
+	broker *b1 = broker_with(j1);
+	broker_error err;
+	broker_conn *c = broker_conn_open(b1, 1000, 1000, 7, &err);
+	broker_alloc_req req = {.size = 4096, .kind = BB_HOST, .import_fd = -1};
+	broker_buf *x, *y;
+	cr_assert_eq(broker_alloc(b1, c, &req, &x, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_alloc(b1, c, &req, &y, &err), 0, "%s", err.msg);
+	broker_info ix, iy;
+	broker_buf_info(b1, x, c, &ix);
+	broker_buf_info(b1, y, c, &iy);
+	cr_assert_eq(broker_set_ready(b1, c, iy.id, &err), 0);
+	unsigned char tok[BB_TOKEN_SIZE];
+	cr_assert_eq(broker_take(b1, c, ix.id, true, tok, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_absent_sessions(b1), 0, "a live connection is not absent");
+	cr_assert_not(broker_conn_absent(c));
+	uint64_t session = broker_conn_session(c);
+
+	/* The crash: b1 is gone; b2 rebuilds from its journal. */
+	broker *b2 = restored(j1, j2, 500, restore_mem);
+	uint64_t deadline = clock_ms + 500;
+	cr_assert_eq(broker_absent_sessions(b2), 1);
+	cr_assert_eq(broker_next_grace(b2), deadline);
+	cr_assert_eq(broker_release_absent(b2), 0, "released before its deadline");
+
+	/* A second crash within the grace period keeps the deadline. */
+	clock_ms += 300;
+	broker *b3 = restored(j2, j3, 500, restore_mem);
+	cr_assert_eq(broker_next_grace(b3), deadline, "the deadline moved: %" PRIu64,
+		     broker_next_grace(b3));
+	clock_ms += 199;
+	cr_assert_eq(broker_release_absent(b3), 0);
+	clock_ms += 1;
+	broker_conn *root = broker_conn_open(b3, 0, 0, 1, &err);
+	cr_assert_eq(broker_release_absent(b3), 1);
+	cr_assert_eq(broker_absent_sessions(b3), 0);
+	cr_assert_eq(broker_next_grace(b3), 0);
+	/* As a disconnect: its count went (y with it), its PENDING buffer
+	 * failed, its token lives on. */
+	broker_info info;
+	cr_assert_eq(broker_stat_id(b3, root, iy.id, &info, &err), BB_ERR_NOT_FOUND);
+	cr_assert_eq(broker_stat_id(b3, root, ix.id, &info, &err), 0, "%s", err.msg);
+	cr_assert_eq(info.state, BB_FAILED);
+	cr_assert_str_eq(info.error, "producer disconnected");
+	cr_assert_eq(info.refs, 1);
+	char report[1024];
+	cr_assert_eq(broker_check(b3, report, sizeof(report)), 0, "%s", report);
+	/* The release is journaled: the session is gone from b3's journal. */
+	journal_state s;
+	char why[256];
+	cr_assert_eq(journal_read(journal_fd(j3), &s, why, sizeof(why)), 0, "%s", why);
+	for (size_t i = 0; i < s.n_sessions; i++)
+		cr_assert_neq(s.sessions[i].id, session, "the released session is still journaled");
+	journal_state_free(&s);
+	broker_free(b1);
+	broker_free(b2);
+	broker_free(b3);
+	journal_free(j1);
+	journal_free(j2);
+	journal_free(j3);
+}
+
+Test(broker_journal, imported_and_exposed_buffers_are_journaled_with_their_flags)
+{
+	journal *j = new_journal();
+	broker *b = broker_with(j);
+	broker_error err;
+	broker_conn *c = broker_conn_open(b, 1000, 1000, 7, &err);
+	broker_conn *d = broker_conn_open(b, 1001, 1001, 8, &err);
+	broker_alloc_req req = {
+		.size = 4096, .kind = BB_HOST, .import_fd = -1, .share = BB_SHARE_ANY};
+	broker_buf *plain, *shown, *imported, *got;
+	cr_assert_eq(broker_alloc(b, c, &req, &plain, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_alloc(b, c, &req, &shown, &err), 0, "%s", err.msg);
+	req.import_fd = 0; /* the counting backend does not look at it */
+	cr_assert_eq(broker_alloc(b, c, &req, &imported, &err), 0, "%s", err.msg);
+	broker_info ip, is, ii;
+	broker_buf_info(b, plain, c, &ip);
+	broker_buf_info(b, shown, c, &is);
+	broker_buf_info(b, imported, c, &ii);
+	broker_granted g;
+	/* Granted to its own uid: not exposed; to another uid: exposed. */
+	cr_assert_eq(broker_open_id(b, c, ip.id, &got, &err), 0);
+	cr_assert_eq(broker_grant(b, c, got, &g, &err), 0);
+	cr_assert_eq(broker_open_id(b, d, is.id, &got, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_grant(b, d, got, &g, &err), 0);
+	cr_assert(g.exposed);
+	cr_assert_eq(buffer_record(j, ip.id).flags, 0);
+	cr_assert_eq(buffer_record(j, is.id).flags, JOURNAL_BUF_EXPOSED);
+	cr_assert_eq(buffer_record(j, ii.id).flags, JOURNAL_BUF_IMPORTED);
+
+	/* And a restored broker keeps them. */
+	journal *j2 = new_journal();
+	broker *b2 = restored(j, j2, 1000, restore_mem);
+	cr_assert_eq(buffer_record(j2, is.id).flags, JOURNAL_BUF_EXPOSED);
+	cr_assert_eq(buffer_record(j2, ii.id).flags, JOURNAL_BUF_IMPORTED);
+	broker_free(b);
+	broker_free(b2);
+	journal_free(j);
+	journal_free(j2);
+}
+
+static int mem_calls;
+static uint64_t lose_id;
+
+/* restore_mem, but buffer lose_id's memory was not kept. */
+static int restore_losing(void *ctx, backend *be, const journal_buffer *rec, backend_mem *out,
+			  char *err, size_t len)
+{
+	mem_calls++;
+	if (rec->id == lose_id) {
+		snprintf(err, len, "gone with the process");
+		return BROKER_RESTORE_LOST;
+	}
+	return restore_mem(ctx, be, rec, out, err, len);
+}
+
+Test(broker_journal, a_buffer_whose_memory_was_lost_is_failed_and_counted_nowhere)
+{
+	journal *j = new_journal(), *j2 = new_journal(), *j3 = new_journal();
+	broker *b = broker_with(j);
+	broker_error err;
+	broker_conn *c = broker_conn_open(b, 1000, 1000, 7, &err);
+	broker_alloc_req req = {.size = 4096, .kind = BB_HOST, .import_fd = -1};
+	broker_buf *keep, *lose;
+	cr_assert_eq(broker_alloc(b, c, &req, &keep, &err), 0);
+	req.size = 8192;
+	cr_assert_eq(broker_alloc(b, c, &req, &lose, &err), 0);
+	broker_info ik, il;
+	broker_buf_info(b, keep, c, &ik);
+	broker_buf_info(b, lose, c, &il);
+	unsigned char tok[BB_TOKEN_SIZE];
+	cr_assert_eq(broker_take(b, c, il.id, true, tok, &err), 0);
+	broker_free(b); /* the crash (broker_free writes nothing to the journal) */
+
+	lose_id = il.id;
+	mem_calls = 0;
+	broker *b2 = restored(j, j2, 1000, restore_losing);
+	cr_assert_eq(mem_calls, 2);
+	broker_conn *root = broker_conn_open(b2, 0, 0, 1, &err);
+	broker_info info;
+	cr_assert_eq(broker_stat_id(b2, root, il.id, &info, &err), 0);
+	cr_assert_eq(info.state, BB_FAILED);
+	cr_assert_str_eq(info.error, "gone with the process");
+	cr_assert_eq(info.refs, 2, "its references are kept (a hold and a token)");
+	broker_totals t;
+	broker_totals_get(b2, &t);
+	cr_assert_eq(t.buffers[BB_HOST], 1, "a lost buffer is in no total");
+	cr_assert_eq(t.bytes[BB_HOST], 4096);
+	uint64_t n, lost;
+	broker_restored(b2, &n, &lost);
+	cr_assert_eq(n, 2);
+	cr_assert_eq(lost, 1);
+	cr_assert(buffer_record(j2, il.id).flags & JOURNAL_BUF_LOST);
+	/* Open of it is refused with why; adopt of its token too. */
+	broker_buf *got;
+	cr_assert_eq(broker_open_id(b2, root, il.id, &got, &err), 0);
+	broker_granted g;
+	cr_assert_eq(broker_grant(b2, root, got, &g, &err), BB_ERR_FAILED);
+
+	/* A later start does not ask for its memory again. */
+	mem_calls = 0;
+	broker *b3 = restored(j2, j3, 1000, restore_losing);
+	cr_assert_eq(mem_calls, 1);
+	broker_conn *root3 = broker_conn_open(b3, 0, 0, 1, &err);
+	cr_assert_eq(broker_stat_id(b3, root3, il.id, &info, &err), 0);
+	cr_assert_str_eq(info.error, "gone with the process");
+	/* Its last reference goes without the backend's free. */
+	broker_free(b2);
+	int before = live_mems;
+	cr_assert_eq(broker_adopt(b3, root3, tok, &got, &err), 0, "%s", err.msg);
+	clock_ms += 1000; /* the grace period of every restored session */
+	cr_assert_gt(broker_release_absent(b3), 0);
+	cr_assert_eq(broker_absent_sessions(b3), 0);
+	cr_assert_eq(broker_release(b3, root3, il.id, 1, NULL, NULL, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_stat_id(b3, root3, il.id, &info, &err), BB_ERR_NOT_FOUND);
+	cr_assert_eq(live_mems, before - 1, "only the kept buffer's memory was returned");
+	char report[1024];
+	cr_assert_eq(broker_check(b3, report, sizeof(report)), 0, "%s", report);
+	broker_free(b3);
+	journal_free(j);
+	journal_free(j2);
+	journal_free(j3);
 }

@@ -19,6 +19,7 @@
 
 #include "backend.h"
 #include "broker.h"
+#include "journal.h"
 
 #define UID_A 1000
 #define UID_B 2000
@@ -67,6 +68,7 @@ static int sb_export(backend *be, const backend_mem *mem, backend_export *out, c
 	out->cuda_handle = m->handle;
 	out->allocation = m->allocation;
 	out->allocation_size = 1 << 20;
+	out->offset = 512 * m->allocation; /* where it lies, as the journal keeps it */
 	out->has_ipc = m->handle == BB_CUDA_HANDLE_LEGACY;
 	out->fd = m->handle == BB_CUDA_HANDLE_VMM ? SLAB_FD : -1;
 	return 0;
@@ -397,4 +399,67 @@ Test(broker_vmm, a_host_buffer_takes_no_cuda_handle_and_unknown_kinds_are_invali
 	broker_info info;
 	broker_buf_info(b, buf, a, &info);
 	cr_assert_eq(info.cuda_handle, BB_CUDA_HANDLE_DEFAULT);
+}
+
+/* ---- the journal and the fd store (docs/RESTART.md) -------------------------- */
+
+static uint64_t kept_live[8]; /* keep(live) calls per allocation */
+static uint64_t kept_gone[8]; /* keep(freed) calls per allocation */
+
+static void keep(void *ctx, const broker_kept *k, bool live_now)
+{
+	(void)ctx;
+	cr_assert_eq(k->kind, BB_CUDA);
+	cr_assert_eq(k->fd, -1, "a CUDA buffer has no memfd of its own");
+	cr_assert_lt(k->allocation, 8);
+	(live_now ? kept_live : kept_gone)[k->allocation]++;
+}
+
+Test(broker_vmm, a_vmm_buffer_is_journaled_with_its_allocation_and_offset)
+{
+	journal *j = NULL;
+	char why[256];
+	cr_assert_eq(journal_create(NULL, &j, why, sizeof(why)), 0, "%s", why);
+	broker_config cfg = {.journal = j, .keep = keep};
+	broker_limits_default(&cfg.limits);
+	broker *jb = broker_new(&cfg);
+	broker_set_backend(jb, BB_CUDA, &slabs, NULL);
+	memset(kept_live, 0, sizeof(kept_live));
+	memset(kept_gone, 0, sizeof(kept_gone));
+	broker_conn *c = broker_conn_open(jb, 1000, GID, 1, &err);
+	broker_alloc_req req = {
+		.size = 4096, .kind = BB_CUDA, .import_fd = -1, .cuda_handle = BB_CUDA_HANDLE_VMM};
+	broker_buf *vmm, *legacy;
+	next_allocation = 5;
+	cr_assert_eq(broker_alloc(jb, c, &req, &vmm, &err), 0, "%s", err.msg);
+	next_allocation = 6;
+	req.cuda_handle = BB_CUDA_HANDLE_LEGACY;
+	cr_assert_eq(broker_alloc(jb, c, &req, &legacy, &err), 0, "%s", err.msg);
+	broker_info iv, il;
+	broker_buf_info(jb, vmm, c, &iv);
+	broker_buf_info(jb, legacy, c, &il);
+	/* The store hook: the VMM buffer with its allocation, the legacy one
+	 * with none (it has no fd to keep). */
+	cr_assert_eq(kept_live[5], 1);
+	cr_assert_eq(kept_live[0], 1);
+
+	journal_state s;
+	cr_assert_eq(journal_read(journal_fd(j), &s, why, sizeof(why)), 0, "%s", why);
+	cr_assert_eq(s.n_buffers, 2);
+	for (size_t i = 0; i < s.n_buffers; i++) {
+		const journal_buffer *r = &s.buffers[i];
+		if (r->id == iv.id) {
+			cr_assert_eq(r->cuda_handle, BB_CUDA_HANDLE_VMM);
+			cr_assert_eq(r->allocation, 5);
+			cr_assert_eq(r->offset, 512 * 5);
+		} else {
+			cr_assert_eq(r->cuda_handle, BB_CUDA_HANDLE_LEGACY);
+			cr_assert_eq(r->allocation, 0, "only VMM buffers' allocations are kept");
+		}
+	}
+	journal_state_free(&s);
+	cr_assert_eq(broker_release(jb, c, iv.id, 1, NULL, NULL, &err), 0);
+	cr_assert_eq(kept_gone[5], 1, "a freed VMM buffer leaves the store's books");
+	broker_free(jb);
+	journal_free(j);
 }

@@ -1,0 +1,672 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Keeping the daemon's state across a restart (docs/RESTART.md, "The
+ * systemd fd store" and "Starting from a kept state"). The table of the
+ * fds a restart needs is kept whether or not there is a store to put them
+ * in (restart_each_fd lists it for the execve upgrade); they are sent to
+ * systemd's fd store only when NOTIFY_SOCKET is set and the journal is on.
+ */
+#include "restart.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <systemd/sd-daemon.h>
+#include <uthash.h>
+
+#include "journal.h"
+#include "log.h"
+
+/* What a legacy CUDA buffer says after a restart (RESTART.md, "Legacy CUDA
+ * buffers"). */
+#define RESTART_LEGACY_WHY                                                              \
+	"the daemon restarted: legacy CUDA IPC memory does not survive its allocating " \
+	"process; use VMM buffers (BB_CUDA_HANDLE_VMM) where restarts matter"
+#define RESTART_MISSING_WHY "its memory was not kept across the restart"
+
+/* The longest name this daemon gives a stored fd ("journal-" or a letter,
+ * then up to 20 digits). */
+#define NAME_MAX_LEN 32
+
+/* One kept fd: a live buffer's memfd or a VMM allocation's fd, by id; or,
+ * at the start, one that was passed to us. */
+typedef struct kept {
+	uint64_t id;       /* buffer or allocation id */
+	int fd;            /* borrowed from the backend once live; passed: ours, -1 once adopted */
+	uint32_t buffers;  /* allocations: live buffers in it */
+	bool stored;       /* in the fd store (an add that failed: not) */
+	UT_hash_handle hh; /* in one of restart's tables */
+} kept;
+
+/* A journal that was passed (journal-G). */
+typedef struct passed_journal {
+	uint64_t generation;
+	int fd;
+} passed_journal;
+
+struct restart {
+	restart_config cfg;
+	journal *j;                     /* cfg.journal: this process's journal */
+	uint64_t generation;            /* j's: journal-<generation> */
+	bool store;                     /* NOTIFY_SOCKET set and the journal on */
+	int notify_fd;                  /* connected to NOTIFY_SOCKET; -1: sd_notify's own */
+	int listen_fd;                  /* the passed listening socket, -1 */
+	kept *bufs;                     /* live host buffers' memfds */
+	kept *allocs;                   /* live VMM allocations' fds */
+	backend *cuda;                  /* to get an allocation's fd */
+	bool restoring;                 /* inside broker_restore: the fds are stored already */
+	kept *pbufs;                    /* passed b<id>, until adopted or closed */
+	passed_journal *journals;       /* passed journal-G, highest first */
+	size_t njournals;               /* entries of journals */
+	char (*others)[NAME_MAX_LEN];   /* passed fds of unknown names: removed */
+	int *other_fds;                 /* ... and their fds */
+	size_t nothers;                 /* entries of others */
+	char (*removals)[NAME_MAX_LEN]; /* names to remove at the end of the turn */
+	size_t nremovals, capremovals;
+	bool warned_unprotected; /* the first failed add was logged */
+	restart_stats stats;
+};
+
+/* ---- names ------------------------------------------------------------------- */
+
+static int parse_decimal(const char *s, uint64_t *out)
+{
+	uint64_t v = 0;
+	if (!*s || (s[0] == '0'))
+		return -1; /* empty, zero or a leading zero */
+	for (; *s; s++) {
+		if (*s < '0' || *s > '9')
+			return -1;
+		unsigned d = (unsigned)(*s - '0');
+		if (v > (UINT64_MAX - d) / 10)
+			return -1;
+		v = v * 10 + d;
+	}
+	*out = v;
+	return 0;
+}
+
+int restart_name_parse(const char *name, uint64_t *id)
+{
+	if (!name)
+		return RESTART_NAME_OTHER;
+	if (!strncmp(name, "journal-", 8))
+		return parse_decimal(name + 8, id) ? RESTART_NAME_OTHER : RESTART_NAME_JOURNAL;
+	if (name[0] == 'b')
+		return parse_decimal(name + 1, id) ? RESTART_NAME_OTHER : RESTART_NAME_BUFFER;
+	if (name[0] == 'a')
+		return parse_decimal(name + 1, id) ? RESTART_NAME_OTHER : RESTART_NAME_ALLOCATION;
+	return RESTART_NAME_OTHER;
+}
+
+/* ---- talking to the fd store --------------------------------------------------- */
+
+/* A datagram socket connected to NOTIFY_SOCKET when it is a path or an
+ * abstract name; -1 otherwise (then sd_pid_notify_with_fds does it). */
+static int notify_connect(void)
+{
+	const char *e = getenv("NOTIFY_SOCKET");
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	size_t n = e ? strlen(e) : 0;
+	if (n < 2 || n >= sizeof(sa.sun_path) || (e[0] != '/' && e[0] != '@'))
+		return -1;
+	memcpy(sa.sun_path, e, n);
+	if (e[0] == '@')
+		sa.sun_path[0] = '\0';
+	int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -1;
+	struct timeval tv = {.tv_sec = 0, .tv_usec = 100000};
+	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+	if (connect(fd, (struct sockaddr *)&sa,
+		    (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)) < 0) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+/* Send one notification, with fd attached when fd >= 0. 0, or -errno. */
+static int notify(restart *r, const char *msg, int fd)
+{
+	if (r->notify_fd < 0) {
+		int rc = sd_pid_notify_with_fds(0, 0, msg, fd >= 0 ? &fd : NULL, fd >= 0 ? 1 : 0);
+		return rc > 0 ? 0 : rc < 0 ? rc : -ENOTCONN;
+	}
+	struct iovec iov = {.iov_base = (void *)msg, .iov_len = strlen(msg)};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} c;
+	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+	if (fd >= 0) {
+		memset(&c, 0, sizeof(c));
+		mh.msg_control = c.buf;
+		mh.msg_controllen = sizeof(c.buf);
+		struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+		cm->cmsg_level = SOL_SOCKET;
+		cm->cmsg_type = SCM_RIGHTS;
+		cm->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+	}
+	/* A full notify socket: one more try, blocking at most SO_SNDTIMEO. */
+	if (sendmsg(r->notify_fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0)
+		return 0;
+	if (errno == EAGAIN && sendmsg(r->notify_fd, &mh, MSG_NOSIGNAL) >= 0)
+		return 0;
+	return -errno;
+}
+
+static int store_add(restart *r, const char *name, int fd)
+{
+	char msg[64 + NAME_MAX_LEN];
+	snprintf(msg, sizeof(msg), "FDSTORE=1\nFDNAME=%s", name);
+	int rc = notify(r, msg, fd);
+	if (rc < 0)
+		r->stats.store_errors++;
+	return rc;
+}
+
+static void store_remove_now(restart *r, const char *name)
+{
+	char msg[64 + NAME_MAX_LEN];
+	snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", name);
+	if (notify(r, msg, -1) < 0)
+		r->stats.store_errors++;
+}
+
+/* Queue the removal of name for restart_flush. */
+static void store_remove(restart *r, const char *name)
+{
+	if (r->nremovals == r->capremovals) {
+		size_t n = r->capremovals ? r->capremovals * 2 : 64;
+		void *p = realloc(r->removals, n * sizeof(*r->removals));
+		if (!p) {
+			store_remove_now(r, name); /* no room to defer: now */
+			return;
+		}
+		r->removals = p;
+		r->capremovals = n;
+	}
+	snprintf(r->removals[r->nremovals++], NAME_MAX_LEN, "%s", name);
+}
+
+void restart_flush(restart *r)
+{
+	if (!r)
+		return;
+	for (size_t i = 0; i < r->nremovals; i++)
+		store_remove_now(r, r->removals[i]);
+	r->nremovals = 0;
+}
+
+/* ---- the table of kept fds ------------------------------------------------------ */
+
+static kept *kept_find(kept *table, uint64_t id)
+{
+	kept *k;
+	HASH_FIND(hh, table, &id, sizeof(id), k);
+	return k;
+}
+
+/* Add what a restart needs under name: stored unless there is no store;
+ * an add that fails leaves the fd served but unprotected. */
+static void kept_store(restart *r, kept *k, const char *name)
+{
+	if (r->restoring) {
+		k->stored = r->store; /* the store has it under this name already */
+		return;
+	}
+	if (!r->store)
+		return;
+	/* Removals first: a freed memfd may come back from the pool as this
+	 * one, and a store that has the file already would not take it
+	 * again under the new name. */
+	restart_flush(r);
+	int rc = store_add(r, name, k->fd);
+	if (rc == 0) {
+		k->stored = true;
+		return;
+	}
+	r->stats.unprotected++;
+	if (!r->warned_unprotected) {
+		r->warned_unprotected = true;
+		log_warn("event=fdstore_add_failed name=%s error=\"%s\" note=\"served, but lost "
+			 "at a restart; further failures are counted, not logged\"",
+			 name, strerror(-rc));
+	}
+}
+
+static void kept_forget(restart *r, kept **table, kept *k, const char *name)
+{
+	if (k->stored)
+		store_remove(r, name);
+	else if (r->store && !r->restoring)
+		r->stats.unprotected--;
+	HASH_DEL(*table, k);
+	free(k);
+}
+
+static kept *kept_add(kept **table, uint64_t id, int fd)
+{
+	kept *k = calloc(1, sizeof(*k));
+	if (!k)
+		return NULL;
+	k->id = id;
+	k->fd = fd;
+	HASH_ADD(hh, *table, id, sizeof(k->id), k);
+	return k;
+}
+
+void restart_store_buffer(restart *r, uint64_t id, int fd)
+{
+	char name[NAME_MAX_LEN];
+	snprintf(name, sizeof(name), "b%" PRIu64, id);
+	kept *k = kept_add(&r->bufs, id, fd);
+	if (!k) {
+		r->stats.unprotected++;
+		return;
+	}
+	kept_store(r, k, name);
+}
+
+void restart_unstore_buffer(restart *r, uint64_t id)
+{
+	char name[NAME_MAX_LEN];
+	kept *k = kept_find(r->bufs, id);
+	if (!k) {
+		if (r->stats.unprotected)
+			r->stats.unprotected--; /* it had no entry: it was counted */
+		return;
+	}
+	snprintf(name, sizeof(name), "b%" PRIu64, id);
+	kept_forget(r, &r->bufs, k, name);
+}
+
+void restart_store_allocation(restart *r, uint64_t id, int fd)
+{
+	char name[NAME_MAX_LEN];
+	snprintf(name, sizeof(name), "a%" PRIu64, id);
+	kept *k = kept_find(r->allocs, id);
+	if (!k && !(k = kept_add(&r->allocs, id, fd))) {
+		r->stats.unprotected++;
+		return;
+	}
+	kept_store(r, k, name);
+}
+
+void restart_unstore_allocation(restart *r, uint64_t id)
+{
+	char name[NAME_MAX_LEN];
+	kept *k = kept_find(r->allocs, id);
+	if (!k)
+		return;
+	snprintf(name, sizeof(name), "a%" PRIu64, id);
+	kept_forget(r, &r->allocs, k, name);
+}
+
+void restart_keep(void *ctx, const broker_kept *k, bool live)
+{
+	restart *r = ctx;
+	if (!r->cfg.journal)
+		return;
+	if (k->kind == BB_HOST && k->fd >= 0) {
+		if (live)
+			restart_store_buffer(r, k->id, k->fd);
+		else
+			restart_unstore_buffer(r, k->id);
+		return;
+	}
+	if (!k->allocation || !r->cuda || !r->cuda->export_allocation)
+		return;
+	kept *a = kept_find(r->allocs, k->allocation);
+	if (live) {
+		if (a) {
+			a->buffers++;
+			return;
+		}
+		backend_export ex = {.fd = -1};
+		char msg[128];
+		if (r->cuda->export_allocation(r->cuda, k->allocation, &ex, msg, sizeof(msg)) ||
+		    ex.fd < 0)
+			return;
+		restart_store_allocation(r, k->allocation, ex.fd);
+		if ((a = kept_find(r->allocs, k->allocation)))
+			a->buffers = 1;
+	} else if (a && --a->buffers == 0) {
+		restart_unstore_allocation(r, k->allocation);
+	}
+}
+
+size_t restart_each_fd(restart *r, int (*fn)(void *ctx, const char *name, int fd), void *ctx)
+{
+	char name[NAME_MAX_LEN];
+	size_t n = 0;
+	if (!r || !r->j)
+		return 0;
+	snprintf(name, sizeof(name), "journal-%" PRIu64, r->generation);
+	n++;
+	if (fn(ctx, name, journal_fd(r->j)))
+		return n;
+	for (kept *k = r->bufs; k; k = k->hh.next) {
+		snprintf(name, sizeof(name), "b%" PRIu64, k->id);
+		n++;
+		if (fn(ctx, name, k->fd))
+			return n;
+	}
+	for (kept *k = r->allocs; k; k = k->hh.next) {
+		snprintf(name, sizeof(name), "a%" PRIu64, k->id);
+		n++;
+		if (fn(ctx, name, k->fd))
+			return n;
+	}
+	return n;
+}
+
+/* ---- the start ------------------------------------------------------------------ */
+
+static int compare_journals(const void *x, const void *y)
+{
+	const passed_journal *a = x, *b = y;
+	return a->generation < b->generation ? 1 : a->generation > b->generation ? -1 : 0;
+}
+
+/* Sort what LISTEN_FDS passed. -1 with why when it cannot be used at all. */
+static int take_passed(restart *r, char *why, size_t len)
+{
+	char **names = NULL;
+	int n = sd_listen_fds_with_names(1, &names);
+	if (n <= 0)
+		return n < 0 ? (snprintf(why, len, "LISTEN_FDS: %s", strerror(-n)), -1) : 0;
+	int rc = 0;
+	r->journals = calloc((size_t)n, sizeof(*r->journals));
+	r->others = calloc((size_t)n, sizeof(*r->others));
+	r->other_fds = calloc((size_t)n, sizeof(*r->other_fds));
+	if (!r->journals || !r->others || !r->other_fds) {
+		snprintf(why, len, "out of memory");
+		rc = -1;
+	}
+	for (int i = 0; i < n; i++) {
+		int fd = SD_LISTEN_FDS_START + i;
+		const char *name = names ? names[i] : NULL;
+		uint64_t id = 0;
+		int type = restart_name_parse(name, &id);
+		if (rc < 0) {
+			close(fd);
+		} else if (type == RESTART_NAME_OTHER &&
+			   sd_is_socket_unix(fd, SOCK_SEQPACKET, 1, NULL, 0) > 0) {
+			if (r->listen_fd >= 0) {
+				snprintf(why, len,
+					 "two listening sockets were passed; expected one");
+				close(fd);
+				rc = -1;
+				continue;
+			}
+			int fl = fcntl(fd, F_GETFL);
+			fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+			r->listen_fd = fd;
+		} else if (type == RESTART_NAME_JOURNAL) {
+			r->journals[r->njournals++] = (passed_journal){.generation = id, .fd = fd};
+		} else if (type == RESTART_NAME_BUFFER && !kept_find(r->pbufs, id) &&
+			   kept_add(&r->pbufs, id, fd)) {
+			/* one fd per name: a second b<id> is an orphan */
+		} else {
+			/* An allocation (not restored yet), a duplicate, or a name
+			 * this daemon does not make: removed and closed at the start. */
+			snprintf(r->others[r->nothers], NAME_MAX_LEN, "%s", name ? name : "");
+			r->other_fds[r->nothers++] = fd;
+		}
+		/* Every fd the daemon keeps is close-on-exec (the upgrade clears
+		 * it for those it hands over). */
+		fcntl(fd, F_SETFD, FD_CLOEXEC);
+	}
+	if (names)
+		for (int i = 0; i < n; i++)
+			free(names[i]);
+	free(names);
+	if (r->njournals > 1)
+		qsort(r->journals, r->njournals, sizeof(*r->journals), compare_journals);
+	return rc;
+}
+
+int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
+{
+	restart *r = calloc(1, sizeof(*r));
+	*out = r;
+	if (!r) {
+		snprintf(why, len, "out of memory");
+		return -1;
+	}
+	r->cfg = *cfg;
+	r->notify_fd = -1;
+	r->listen_fd = -1;
+	if (take_passed(r, why, len) < 0)
+		return -1;
+	const char *fdstore = getenv("FDSTORE");
+	uint64_t v;
+	if (!r->cfg.store_max && fdstore && !parse_decimal(fdstore, &v))
+		r->cfg.store_max = v;
+	if (!cfg->journal)
+		return 0;
+	r->generation = (r->njournals ? r->journals[0].generation : 0) + 1;
+	char msg[256];
+	if (journal_create(NULL, &r->j, msg, sizeof(msg))) {
+		snprintf(why, len, "the state journal: %s", msg);
+		return -1;
+	}
+	const char *ns = getenv("NOTIFY_SOCKET");
+	r->store = ns && ns[0];
+	if (r->store)
+		r->notify_fd = notify_connect();
+	return 0;
+}
+
+/* The memory of a restored buffer: its kept fd adopted by the backend. */
+static int restore_mem(void *ctx, backend *be, const journal_buffer *rec, backend_mem *out,
+		       char *err, size_t len)
+{
+	restart *r = ctx;
+	if (rec->kind == BB_CUDA && rec->cuda_handle == BB_CUDA_HANDLE_LEGACY) {
+		snprintf(err, len, "%s", RESTART_LEGACY_WHY);
+		r->stats.failed_legacy++;
+		return BROKER_RESTORE_LOST;
+	}
+	kept *p = rec->kind == BB_HOST ? kept_find(r->pbufs, rec->id) : NULL;
+	if (!p || p->fd < 0 || !be || !be->adopt) {
+		snprintf(err, len, "%s", RESTART_MISSING_WHY);
+		r->stats.failed_missing++;
+		return BROKER_RESTORE_LOST;
+	}
+	char msg[200] = "";
+	int rc = be->adopt(be, p->fd, rec->size, rec->owner_uid,
+			   rec->flags & (JOURNAL_BUF_IMPORTED | JOURNAL_BUF_EXPOSED), out, msg,
+			   sizeof(msg));
+	if (rc == BB_ERR_INVALID) {
+		snprintf(err, len, "%s (%s)", RESTART_MISSING_WHY, msg);
+		r->stats.failed_missing++;
+		return BROKER_RESTORE_LOST;
+	}
+	if (rc) {
+		snprintf(err, len, "%s", msg);
+		return rc;
+	}
+	p->fd = -1; /* the backend's now */
+	return 0;
+}
+
+/* Close and remove every passed fd that is not in use: the orphans after a
+ * restore, everything after a refusal. */
+static void drop_passed(restart *r, bool journals)
+{
+	char name[NAME_MAX_LEN];
+	kept *k, *tmp;
+	HASH_ITER (hh, r->pbufs, k, tmp) {
+		if (k->fd >= 0) {
+			snprintf(name, sizeof(name), "b%" PRIu64, k->id);
+			store_remove_now(r, name);
+			close(k->fd);
+			r->stats.orphans_closed++;
+		}
+		HASH_DEL(r->pbufs, k);
+		free(k);
+	}
+	for (size_t i = 0; i < r->nothers; i++) {
+		if (r->others[i][0])
+			store_remove_now(r, r->others[i]);
+		close(r->other_fds[i]);
+		r->stats.orphans_closed++;
+	}
+	r->nothers = 0;
+	for (size_t i = 0; journals && i < r->njournals; i++) {
+		snprintf(name, sizeof(name), "journal-%" PRIu64, r->journals[i].generation);
+		store_remove_now(r, name);
+		close(r->journals[i].fd);
+	}
+	if (journals)
+		r->njournals = 0;
+}
+
+static uint64_t mono_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *listen_fd, char *why,
+		  size_t len)
+{
+	(void)host;
+	r->cuda = cuda;
+	*listen_fd = r->listen_fd;
+	r->listen_fd = -1; /* the caller's */
+	uint64_t t0 = mono_us();
+	if (!r->j) {
+		/* Journal off: nothing to rebuild from, nothing to keep. */
+		drop_passed(r, true);
+		return 0;
+	}
+	broker_error err = {""};
+	int rc = 0;
+	bool tried = false;
+	for (size_t i = 0; i < r->njournals; i++) {
+		tried = true;
+		r->restoring = true;
+		rc = broker_restore(b, r->journals[i].fd, restore_mem, r, &err);
+		r->restoring = false;
+		if (!rc) {
+			r->stats.restarts = r->journals[i].generation;
+			break;
+		}
+		/* An older journal (a crash during the last start's handover)
+		 * only while no fd was adopted: a failed restore closes those. */
+		log_warn("event=journal_refused name=journal-%" PRIu64 " error=\"%s\"",
+			 r->journals[i].generation, err.msg);
+		bool adopted = false;
+		for (kept *k = r->pbufs; k; k = k->hh.next)
+			adopted |= k->fd < 0;
+		if (adopted)
+			break;
+	}
+	if (tried && rc) {
+		snprintf(r->stats.refused_why, sizeof(r->stats.refused_why), "%s", err.msg);
+		r->stats.refused = true;
+		log_error("event=restart_refused error=\"%s\" strict=%s", err.msg,
+			  r->cfg.strict ? "yes" : "no");
+		if (r->cfg.strict) {
+			snprintf(why, len, "the kept state is refused (--restart-strict): %s",
+				 err.msg);
+			return -1;
+		}
+		/* Start empty, as a daemon starts without a kept state: the
+		 * broker was left empty, every kept fd goes. */
+		r->stats.restarts = r->journals[0].generation;
+	}
+	if (!rc && tried) {
+		uint64_t lost;
+		broker_restored(b, &r->stats.restored_buffers, &lost);
+		broker_expire_tokens(b); /* past their deadline while the daemon was away */
+	}
+	/* The new generation in the store, then the old ones and the orphans
+	 * out. */
+	char name[NAME_MAX_LEN];
+	snprintf(name, sizeof(name), "journal-%" PRIu64, r->generation);
+	if (r->store && store_add(r, name, journal_fd(r->j)) < 0)
+		log_warn("event=fdstore_add_failed name=%s note=\"the state will not survive a "
+			 "restart\"",
+			 name);
+	drop_passed(r, true);
+	r->stats.start_us = mono_us() - t0;
+	if (tried)
+		log_info("event=restart_restored generation=%" PRIu64 " buffers=%" PRIu64
+			 " sessions=%u failed_legacy=%" PRIu64 " failed_missing=%" PRIu64
+			 " orphans_closed=%" PRIu64 " refused=%s duration_us=%" PRIu64,
+			 r->generation, r->stats.restored_buffers, broker_absent_sessions(b),
+			 r->stats.failed_legacy, r->stats.failed_missing, r->stats.orphans_closed,
+			 r->stats.refused ? "yes" : "no", r->stats.start_us);
+	return 0;
+}
+
+void restart_free(restart *r)
+{
+	if (!r)
+		return;
+	kept *k, *tmp;
+	HASH_ITER (hh, r->bufs, k, tmp) {
+		HASH_DEL(r->bufs, k);
+		free(k);
+	}
+	HASH_ITER (hh, r->allocs, k, tmp) {
+		HASH_DEL(r->allocs, k);
+		free(k);
+	}
+	HASH_ITER (hh, r->pbufs, k, tmp) {
+		if (k->fd >= 0)
+			close(k->fd);
+		HASH_DEL(r->pbufs, k);
+		free(k);
+	}
+	for (size_t i = 0; i < r->njournals; i++)
+		close(r->journals[i].fd);
+	for (size_t i = 0; i < r->nothers; i++)
+		close(r->other_fds[i]);
+	if (r->listen_fd >= 0)
+		close(r->listen_fd);
+	if (r->notify_fd >= 0)
+		close(r->notify_fd);
+	journal_free(r->j);
+	free(r->journals);
+	free(r->others);
+	free(r->other_fds);
+	free(r->removals);
+	free(r);
+}
+
+struct journal *restart_journal(restart *r)
+{
+	return r ? r->j : NULL;
+}
+
+uint64_t restart_generation(const restart *r)
+{
+	return r && r->j ? r->generation : 0;
+}
+
+const restart_stats *restart_get_stats(const restart *r)
+{
+	return &r->stats;
+}
+
+const restart_config *restart_config_of(const restart *r)
+{
+	return &r->cfg;
+}
