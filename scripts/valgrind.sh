@@ -26,7 +26,7 @@ case "$build" in
 /*) ;;
 *) build="$BB_ROOT/$build" ;;
 esac
-tests="${BB_VALGRIND_TESTS:-api admin cuda cuda_vmm vmm_wire badinput faults soak}"
+tests="${BB_VALGRIND_TESTS:-api admin cuda cuda_vmm vmm_wire badinput faults soak fakesd restart_chaos restart_torn}"
 jobs="${BB_VALGRIND_JOBS:-2}"
 
 if ! command -v valgrind >/dev/null 2>&1; then
@@ -66,6 +66,14 @@ export BBT_VALGRIND=1
 # The soak test: a few short rounds of a few clients.
 export BBT_SOAK_ROUNDS="${BBT_SOAK_ROUNDS:-3}"
 export BBT_SOAK_CLIENTS="${BBT_SOAK_CLIENTS:-3}"
+# The restart tests: a few disruptions of a few clients, a few torn
+# journals. fakesd (the systemd stand-in) runs traced too, so that the
+# daemons it starts are.
+export BB_FAKESD="$build/fakesd"
+export BB_FAKESD_TOY="$build/fakesd_toy"
+export BBT_CHAOS_ROUNDS="${BBT_CHAOS_ROUNDS:-3}"
+export BBT_CHAOS_CLIENTS="${BBT_CHAOS_CLIENTS:-4}"
+export BBT_TORN_ROUNDS="${BBT_TORN_ROUNDS:-3}"
 
 # --error-exitcode: a process with an error exits 99, so a test child or a
 # daemon stopped with SIGTERM fails its test by itself. Processes that die of

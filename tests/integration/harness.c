@@ -743,6 +743,26 @@ int bbt_sd_store_fd(const bbt_daemon *d, const char *name)
 	return fd;
 }
 
+int bbt_sd_journal_fd(const bbt_daemon *d)
+{
+	char **names;
+	int n = bbt_sd_store_names(d, &names);
+	if (n < 0)
+		return n;
+	const char *newest = NULL;
+	unsigned long best = 0;
+	for (int i = 0; i < n; i++) {
+		unsigned long g = strtoul(names[i] + 8, NULL, 10);
+		if (!strncmp(names[i], "journal-", 8) && (!newest || g > best)) {
+			best = g;
+			newest = names[i];
+		}
+	}
+	int fd = newest ? bbt_sd_store_fd(d, newest) : -ENOENT;
+	bbt_sd_names_free(names);
+	return fd;
+}
+
 int bbt_sd_set_store_max(const bbt_daemon *d, unsigned max)
 {
 	char cmd[64], out[64];

@@ -143,6 +143,9 @@ void bbt_sd_names_free(char **names);
 /* A dup of the (newest) stored fd of that name: the fd, -ENOENT, or
  * -errno. The same open file: writes to it change what a restart gets. */
 int bbt_sd_store_fd(const bbt_daemon *d, const char *name);
+/* A dup of the newest stored journal ("journal-G", the highest G): the
+ * fd, -ENOENT when the store has none, or -errno. */
+int bbt_sd_journal_fd(const bbt_daemon *d);
 /* Set FileDescriptorStoreMax (takes effect for the next FDSTORE=1 and the
  * next start's $FDSTORE): 0 or -errno. */
 int bbt_sd_set_store_max(const bbt_daemon *d, unsigned max);
