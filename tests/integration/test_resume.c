@@ -617,7 +617,9 @@ Test(resume, an_adopt_cut_by_a_crash_is_applied_once)
 Test(resume, a_session_not_resumed_within_the_grace_period_is_released)
 {
 	need_sd();
-	const char *const args[] = {"--restart-grace", "1000", NULL};
+	char grace[32];
+	snprintf(grace, sizeof(grace), "%d", bbt_ms(1000)); /* the restart takes less */
+	const char *const args[] = {"--restart-grace", grace, NULL};
 	bbt_daemon *d = bbt_start_sd(args);
 	bb_client *c = bbt_connect(d);
 	set_reconnect(c, 0, 0); /* it will not come back */
@@ -640,4 +642,55 @@ Test(resume, a_session_not_resumed_within_the_grace_period_is_released)
 	bb_unref(pending);
 	bb_disconnect(c);
 	bb_disconnect(other);
+}
+
+/* A client of protocol 1.2 never resumes: across a restart its session is
+ * kept absent for the grace period (its buffer lives on), then released as
+ * a disconnect. */
+Test(resume, a_1_2_client_loses_its_buffers_only_after_the_grace_period)
+{
+	need_sd();
+	char grace[32];
+	snprintf(grace, sizeof(grace), "%d", bbt_ms(1500)); /* the restart takes less */
+	const char *const args[] = {"--restart-grace", grace, NULL};
+	bbt_daemon *d = bbt_start_sd(args);
+	int sock = bbt_raw_connect(d->sock);
+	cr_assert_geq(sock, 0);
+	Bufbroker__Hello h = BUFBROKER__HELLO__INIT;
+	Bufbroker__Alloc a = BUFBROKER__ALLOC__INIT;
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Response *r;
+	h.version_major = 1;
+	h.version_minor = 2;
+	req.id = 1;
+	req.op_case = BUFBROKER__REQUEST__OP_HELLO;
+	req.hello = &h;
+	cr_assert_eq(bbt_raw_send(sock, &req, -1), 0);
+	cr_assert_eq(bbt_raw_recv(sock, bbt_ms(5000), &r, NULL), 1);
+	bufbroker__response__free_unpacked(r, NULL);
+	a.size = 4096;
+	a.kind = BUFBROKER__KIND__KIND_HOST;
+	req = (Bufbroker__Request)BUFBROKER__REQUEST__INIT;
+	req.id = 2;
+	req.op_case = BUFBROKER__REQUEST__OP_ALLOC;
+	req.alloc = &a;
+	cr_assert_eq(bbt_raw_send(sock, &req, -1), 0);
+	int fd = -1;
+	cr_assert_eq(bbt_raw_recv(sock, bbt_ms(5000), &r, &fd), 1);
+	cr_assert_eq(r->status->code, 0, "%s", r->status->message);
+	uint64_t id = r->grant->info->id;
+	bufbroker__response__free_unpacked(r, NULL);
+	if (fd >= 0)
+		close(fd);
+
+	bbt_sd_crash(d);
+	cr_assert(bbt_raw_closed(sock, bbt_ms(5000)), "the old connection stayed open");
+	close(sock);
+	/* Just after the restart the 1.2 client's count is still there. */
+	bb_client *c = bbt_connect(d);
+	cr_assert_eq(bbt_refs(c, id), 1, "the buffer went before the grace period");
+	/* Nobody resumes its session: released when the grace period ends. */
+	cr_assert_eq(bbt_stat_until_gone(c, id, bbt_ms(10000)), BB_ERR_NOT_FOUND);
+	cr_assert_eq(bbt_check_problems(c), 0);
+	bb_disconnect(c);
 }
