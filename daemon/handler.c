@@ -260,7 +260,8 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 		}
 		/* The empty connection opened at accept goes; the restored one,
 		 * with its holds, tokens and PENDING buffers, is this one's. */
-		broker_conn_close(c->h->b, c->bc);
+		if (c->bc)
+			broker_conn_close(c->h->b, c->bc);
 		c->bc = restored;
 		c->resumed = true;
 	}
@@ -293,7 +294,7 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 	hr.pid = c->pid;
 	hr.max_datagram = c->h->max_datagram;
 	unsigned char secret[BB_TOKEN_SIZE];
-	if (broker_keeps_state(c->h->b)) {
+	if (broker_keeps_state(c->h->b) && c->bc) {
 		/* The session and what resumes it after a restart. */
 		hr.session_id = broker_conn_session(c->bc);
 		broker_conn_secret(c->bc, secret);
