@@ -81,6 +81,16 @@ static void host_count(backend *be, int delta, uint64_t size)
 	}
 }
 
+/* Hand fd out as the memory of a buffer of size bytes made for uid. */
+static void host_give(backend *be, int fd, uint32_t uid, uint64_t size, backend_mem *out)
+{
+	out->fd = fd;
+	out->uid = uid;
+	out->size = size;
+	out->priv = NULL;
+	host_count(be, 1, size);
+}
+
 static int sys_fail(char *err, size_t errlen, const char *what)
 {
 	int e = errno;
@@ -293,11 +303,7 @@ static int host_alloc(backend *be, uint64_t size, int device, uint32_t uid, int 
 		}
 		hb->stats.created++;
 	}
-	out->fd = fd;
-	out->uid = uid;
-	out->size = size;
-	out->priv = NULL;
-	host_count(be, 1, size);
+	host_give(be, fd, uid, size, out);
 	return 0;
 }
 
@@ -382,11 +388,7 @@ static int host_import(backend *be, int fd, uint64_t size, backend_mem *out, cha
 		snprintf(err, errlen, "daemon out of memory");
 		return BB_ERR_NO_MEMORY;
 	}
-	out->fd = mine;
-	out->uid = 0;
-	out->size = size;
-	out->priv = NULL;
-	host_count(be, 1, size);
+	host_give(be, mine, 0, size, out);
 	return 0;
 }
 
@@ -415,11 +417,7 @@ static int host_adopt(backend *be, int fd, uint64_t size, uint32_t uid, unsigned
 		snprintf(err, errlen, "daemon out of memory");
 		return BB_ERR_NO_MEMORY;
 	}
-	out->fd = fd;
-	out->uid = uid;
-	out->size = size;
-	out->priv = NULL;
-	host_count(be, 1, size);
+	host_give(be, fd, uid, size, out);
 	return 0;
 }
 

@@ -731,6 +731,12 @@ static void do_server_status(req_ctx *r)
 	ss.tokens = t->tokens;
 	ss.waits = t->waits;
 	ss.pid = (uint32_t)getpid();
+	ss.restarts = snap.restart.restarts;
+	ss.restored_buffers = snap.restart.restored_buffers;
+	ss.absent_sessions = snap.restart.absent_sessions;
+	ss.journal_bytes = snap.restart.journal_bytes;
+	ss.restart_protected = snap.restart.protected_by_store;
+	ss.unprotected_buffers = snap.restart.unprotected;
 
 	/* The devices, as many as a datagram holds (each row is < 500 bytes,
 	 * vmm_unavailable included: 64 fit the default datagram). */

@@ -257,6 +257,35 @@ static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 	fprintf(f, "bufbroker_host_memfds_total{source=\"new\"} %" PRIu64 "\n", ps.created);
 	fprintf(f, "bufbroker_host_memfds_total{source=\"reused\"} %" PRIu64 "\n", ps.reused);
 
+	const snapshot_restart *rs = &snap->restart;
+	family(f, "bufbroker_restarts_total", "counter",
+	       "Starts from a kept state (journal and fd store) since the journal was first made.");
+	fprintf(f, "bufbroker_restarts_total %" PRIu64 "\n", rs->restarts);
+	family(f, "bufbroker_restart_restored_buffers", "gauge",
+	       "Buffers this process rebuilt at its start from the kept state.");
+	fprintf(f, "bufbroker_restart_restored_buffers %" PRIu64 "\n", rs->restored_buffers);
+	family(f, "bufbroker_restart_failed_buffers", "gauge",
+	       "Buffers made FAILED at this process's start, by why: legacy CUDA memory died "
+	       "with the old process, or the buffer's fd was not kept.");
+	fprintf(f, "bufbroker_restart_failed_buffers{reason=\"legacy_cuda\"} %" PRIu64 "\n",
+		rs->failed_legacy);
+	fprintf(f, "bufbroker_restart_failed_buffers{reason=\"fd_not_kept\"} %" PRIu64 "\n",
+		rs->failed_missing);
+	family(f, "bufbroker_restart_unprotected_buffers", "gauge",
+	       "Live buffers whose fd could not be put in the fd store: lost at a restart.");
+	fprintf(f, "bufbroker_restart_unprotected_buffers %" PRIu64 "\n", rs->unprotected);
+	family(f, "bufbroker_restart_absent_sessions", "gauge",
+	       "Sessions restored from the kept state that no client has resumed yet.");
+	fprintf(f, "bufbroker_restart_absent_sessions %" PRIu32 "\n", rs->absent_sessions);
+	family(f, "bufbroker_restart_protected", "gauge",
+	       "1 when the journal is in systemd's fd store (a crash keeps the buffers).");
+	fprintf(f, "bufbroker_restart_protected %d\n", rs->protected_by_store ? 1 : 0);
+	family(f, "bufbroker_journal_bytes", "gauge", "Size of the state journal; 0 when off.");
+	fprintf(f, "bufbroker_journal_bytes %" PRIu64 "\n", rs->journal_bytes);
+	family(f, "bufbroker_journal_errors_total", "counter",
+	       "Journal writes refused (it could not grow): the journal no longer matches.");
+	fprintf(f, "bufbroker_journal_errors_total %" PRIu64 "\n", rs->journal_errors);
+
 	render_uids(f, snap);
 
 	device_family(f, devs, ndev, "bufbroker_device_total_bytes", "The device's memory.",

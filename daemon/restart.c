@@ -25,6 +25,7 @@
 
 #include "journal.h"
 #include "log.h"
+#include "msgio.h"
 
 /* What a legacy CUDA buffer says after a restart (RESTART.md, "Legacy CUDA
  * buffers"). */
@@ -57,7 +58,8 @@ struct restart {
 	restart_config cfg;
 	journal *j;                     /* cfg.journal: this process's journal */
 	uint64_t generation;            /* j's: journal-<generation> */
-	bool store;                     /* NOTIFY_SOCKET set and the journal on */
+	bool notify;                    /* NOTIFY_SOCKET set: there is a store */
+	bool store;                     /* ... and the journal is on: keep fds in it */
 	int notify_fd;                  /* connected to NOTIFY_SOCKET; -1: sd_notify's own */
 	int listen_fd;                  /* the passed listening socket, -1 */
 	kept *bufs;                     /* live host buffers' memfds */
@@ -142,28 +144,9 @@ static int notify(restart *r, const char *msg, int fd)
 		int rc = sd_pid_notify_with_fds(0, 0, msg, fd >= 0 ? &fd : NULL, fd >= 0 ? 1 : 0);
 		return rc > 0 ? 0 : rc < 0 ? rc : -ENOTCONN;
 	}
-	struct iovec iov = {.iov_base = (void *)msg, .iov_len = strlen(msg)};
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int))];
-	} c;
-	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-	if (fd >= 0) {
-		memset(&c, 0, sizeof(c));
-		mh.msg_control = c.buf;
-		mh.msg_controllen = sizeof(c.buf);
-		struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-		cm->cmsg_level = SOL_SOCKET;
-		cm->cmsg_type = SCM_RIGHTS;
-		cm->cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-	}
-	/* A full notify socket: one more try, blocking at most SO_SNDTIMEO. */
-	if (sendmsg(r->notify_fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0)
-		return 0;
-	if (errno == EAGAIN && sendmsg(r->notify_fd, &mh, MSG_NOSIGNAL) >= 0)
-		return 0;
-	return -errno;
+	/* A full notify socket: the send waits at most SO_SNDTIMEO. */
+	ssize_t n = msgio_send(r->notify_fd, msg, strlen(msg), fd);
+	return n < 0 ? (int)n : 0;
 }
 
 static int store_add(restart *r, const char *name, int fd)
@@ -178,6 +161,8 @@ static int store_add(restart *r, const char *name, int fd)
 
 static void store_remove_now(restart *r, const char *name)
 {
+	if (!r->notify)
+		return; /* no store (an execve upgrade without systemd) */
 	char msg[64 + NAME_MAX_LEN];
 	snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", name);
 	if (notify(r, msg, -1) < 0)
@@ -267,51 +252,53 @@ static kept *kept_add(kept **table, uint64_t id, int fd)
 	return k;
 }
 
-void restart_store_buffer(restart *r, uint64_t id, int fd)
+/* Keep fd under <letter><id> in table (a second store of an allocation
+ * it has is a no-op add). */
+static void store_one(restart *r, kept **table, char letter, uint64_t id, int fd)
 {
 	char name[NAME_MAX_LEN];
-	snprintf(name, sizeof(name), "b%" PRIu64, id);
-	kept *k = kept_add(&r->bufs, id, fd);
-	if (!k) {
+	snprintf(name, sizeof(name), "%c%" PRIu64, letter, id);
+	kept *k = kept_find(*table, id);
+	if (k)
+		return;
+	if (!(k = kept_add(table, id, fd))) {
 		r->stats.unprotected++;
 		return;
 	}
 	kept_store(r, k, name);
 }
 
-void restart_unstore_buffer(restart *r, uint64_t id)
+static void unstore_one(restart *r, kept **table, char letter, uint64_t id)
 {
 	char name[NAME_MAX_LEN];
-	kept *k = kept_find(r->bufs, id);
+	kept *k = kept_find(*table, id);
 	if (!k) {
 		if (r->stats.unprotected)
 			r->stats.unprotected--; /* it had no entry: it was counted */
 		return;
 	}
-	snprintf(name, sizeof(name), "b%" PRIu64, id);
-	kept_forget(r, &r->bufs, k, name);
+	snprintf(name, sizeof(name), "%c%" PRIu64, letter, id);
+	kept_forget(r, table, k, name);
+}
+
+void restart_store_buffer(restart *r, uint64_t id, int fd)
+{
+	store_one(r, &r->bufs, 'b', id, fd);
+}
+
+void restart_unstore_buffer(restart *r, uint64_t id)
+{
+	unstore_one(r, &r->bufs, 'b', id);
 }
 
 void restart_store_allocation(restart *r, uint64_t id, int fd)
 {
-	char name[NAME_MAX_LEN];
-	snprintf(name, sizeof(name), "a%" PRIu64, id);
-	kept *k = kept_find(r->allocs, id);
-	if (!k && !(k = kept_add(&r->allocs, id, fd))) {
-		r->stats.unprotected++;
-		return;
-	}
-	kept_store(r, k, name);
+	store_one(r, &r->allocs, 'a', id, fd);
 }
 
 void restart_unstore_allocation(restart *r, uint64_t id)
 {
-	char name[NAME_MAX_LEN];
-	kept *k = kept_find(r->allocs, id);
-	if (!k)
-		return;
-	snprintf(name, sizeof(name), "a%" PRIu64, id);
-	kept_forget(r, &r->allocs, k, name);
+	unstore_one(r, &r->allocs, 'a', id);
 }
 
 void restart_keep(void *ctx, const broker_kept *k, bool live)
@@ -448,6 +435,7 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	}
 	r->cfg = *cfg;
 	r->notify_fd = -1;
+	r->stats.journal_fd = -1;
 	r->listen_fd = -1;
 	if (take_passed(r, why, len) < 0)
 		return -1;
@@ -455,6 +443,12 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	uint64_t v;
 	if (!r->cfg.store_max && fdstore && !parse_decimal(fdstore, &v))
 		r->cfg.store_max = v;
+	/* A store to talk to: removals of what was passed go to it even with
+	 * the journal off; adds only with it on. */
+	const char *ns = getenv("NOTIFY_SOCKET");
+	r->notify = ns && ns[0];
+	if (r->notify)
+		r->notify_fd = notify_connect();
 	if (!cfg->journal)
 		return 0;
 	r->generation = (r->njournals ? r->journals[0].generation : 0) + 1;
@@ -463,10 +457,8 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 		snprintf(why, len, "the state journal: %s", msg);
 		return -1;
 	}
-	const char *ns = getenv("NOTIFY_SOCKET");
-	r->store = ns && ns[0];
-	if (r->store)
-		r->notify_fd = notify_connect();
+	r->store = r->notify;
+	r->stats.journal_fd = journal_fd(r->j);
 	return 0;
 }
 
@@ -600,7 +592,8 @@ int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *list
 	 * out. */
 	char name[NAME_MAX_LEN];
 	snprintf(name, sizeof(name), "journal-%" PRIu64, r->generation);
-	if (r->store && store_add(r, name, journal_fd(r->j)) < 0)
+	r->stats.protected_by_store = r->store && store_add(r, name, journal_fd(r->j)) == 0;
+	if (r->store && !r->stats.protected_by_store)
 		log_warn("event=fdstore_add_failed name=%s note=\"the state will not survive a "
 			 "restart\"",
 			 name);

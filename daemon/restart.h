@@ -38,7 +38,7 @@ typedef struct restart_config {
 
 /* What the start found (logs, metrics, ServerStatus). */
 typedef struct restart_stats {
-	uint64_t restarts;         /* starts from a kept state (journal header) */
+	uint64_t restarts;         /* starts from a kept state: the generation rebuilt from */
 	uint64_t restored_buffers; /* buffers rebuilt by this process */
 	uint64_t failed_legacy;    /* legacy CUDA buffers made FAILED at start */
 	uint64_t failed_missing;   /* buffers whose fd was not kept: FAILED */
@@ -47,6 +47,8 @@ typedef struct restart_stats {
 	uint64_t store_errors;     /* FDSTORE sends that failed */
 	uint64_t start_us;         /* the restore's duration */
 	bool refused;              /* a kept state was refused: started empty */
+	bool protected_by_store;   /* the journal is in the fd store */
+	int journal_fd;            /* the journal (its size for status), -1 off */
 	char refused_why[256];
 } restart_stats;
 

@@ -45,6 +45,7 @@ struct server {
 	broker *b;                   /* the state machine */
 	restart *restart;            /* the fd store and the start from it (restart.h) */
 	uv_timer_t grace_timer;      /* the next absent session's grace deadline */
+	bool journal_errors_logged;  /* the first refused journal write was logged */
 	backend *host;               /* host backend */
 	backend *cuda;               /* CUDA backend, or NULL (cuda_why says why) */
 	char cuda_why[256];          /* why CUDA is not served; "" when it is */
@@ -523,6 +524,12 @@ static void on_reap(uv_check_t *h)
 	uv_idle_stop(&s->reap_soon);
 	/* Freed buffers leave the fd store after the commits that freed them. */
 	restart_flush(s->restart);
+	if (!s->journal_errors_logged && broker_journal_errors(s->b)) {
+		s->journal_errors_logged = true;
+		log_error("event=journal_error note=\"the state journal could not grow: it no "
+			  "longer matches the daemon, and a restart would serve an older state; "
+			  "further errors are counted (bufbroker_journal_errors_total)\"");
+	}
 	if (s->retry_allocs) {
 		s->retry_allocs = false;
 		handler_retry_allocs(s->h);
@@ -709,6 +716,7 @@ static int server_init(server **out, uv_loop_t *loop, const server_config *cfg, 
 		.cuda_why = s->cuda_why,
 		.park = s->park,
 		.counters = &s->counters,
+		.restart = s->restart ? restart_get_stats(s->restart) : NULL,
 	};
 	s->h = s->park ? handler_new(loop, &s->src, s->park, &s->counters, cfg->max_datagram)
 		       : NULL;
@@ -763,7 +771,9 @@ static void on_grace(uv_timer_t *t)
 	uint64_t next = broker_next_grace(s->b);
 	if (next) {
 		uint64_t now = mono_ms();
-		uv_timer_start(&s->grace_timer, on_grace, next > now ? next - now : 0, 0);
+		/* At least 1 ms: a timer due now would run again in the same
+		 * loop turn, and a deadline that could not be met would spin. */
+		uv_timer_start(&s->grace_timer, on_grace, next > now ? next - now : 1, 0);
 	}
 }
 

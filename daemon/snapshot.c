@@ -3,6 +3,8 @@
  * The daemon's snapshot: read from the sources on the loop thread.
  */
 #include "snapshot.h"
+#include <sys/stat.h>
+#include "restart.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +47,24 @@ int snapshot_take(const snapshot_sources *src, snapshot *out, bool with_uids)
 		out->n_devices = src->cuda->devices(src->cuda, out->devices, SNAPSHOT_DEVICES_MAX);
 	out->cuda_why = src->cuda_why;
 	out->counters = src->counters;
+	snapshot_restart *rs = &out->restart;
+	rs->absent_sessions = broker_absent_sessions(src->b);
+	/* Connections are clients' sockets: absent sessions have none. */
+	out->totals.connections -= rs->absent_sessions;
+	rs->journal_errors = broker_journal_errors(src->b);
+	const restart_stats *st = src->restart;
+	if (st) {
+		struct stat sb;
+		rs->restarts = st->restarts;
+		rs->restored_buffers = st->restored_buffers;
+		rs->failed_legacy = st->failed_legacy;
+		rs->failed_missing = st->failed_missing;
+		rs->unprotected = st->unprotected;
+		rs->protected_by_store = st->protected_by_store;
+		rs->refused = st->refused;
+		if (st->journal_fd >= 0 && fstat(st->journal_fd, &sb) == 0)
+			rs->journal_bytes = (uint64_t)sb.st_size;
+	}
 	if (with_uids) {
 		uid_acc a = {.s = out};
 		broker_uid_usage(src->b, uid_row, &a);

@@ -562,9 +562,14 @@ static int cmd_status(bb_client *c, bool json)
 		json_str(s->server_version);
 		printf(",\"protocol\":\"%" PRIu32 ".%" PRIu32 "\",\"pid\":%" PRIu32
 		       ",\"uptime_ms\":%" PRIu64 ",\"connections\":%" PRIu32 ",\"tokens\":%" PRIu64
-		       ",\"waits\":%" PRIu64 ",\"kinds\":{",
+		       ",\"waits\":%" PRIu64 ",\"restarts\":%" PRIu64
+		       ",\"restored_buffers\":%" PRIu64 ",\"absent_sessions\":%" PRIu32
+		       ",\"journal_bytes\":%" PRIu64 ",\"restart_protected\":%s"
+		       ",\"unprotected_buffers\":%" PRIu64 ",\"kinds\":{",
 		       s->version_major, s->version_minor, s->pid, s->uptime_ms, s->connections,
-		       s->tokens, s->waits);
+		       s->tokens, s->waits, s->restarts, s->restored_buffers, s->absent_sessions,
+		       s->journal_bytes, s->restart_protected ? "true" : "false",
+		       s->unprotected_buffers);
 		for (int k = 1; k <= BB_KIND_COUNT; k++)
 			printf("%s\"%s\":{\"buffers\":%" PRIu64 ",\"bytes\":%" PRIu64 "}",
 			       k > 1 ? "," : "", bb_kind_name(k), buffers[k], bytes[k]);
@@ -587,6 +592,15 @@ static int cmd_status(bb_client *c, bool json)
 		}
 		printf("live tokens     %" PRIu64 "\n", s->tokens);
 		printf("parked waits    %" PRIu64 "\n", s->waits);
+		if (s->journal_bytes) {
+			fmt_size(s->journal_bytes, sz, sizeof(sz));
+			printf("restart         %s; journal %s; %" PRIu64 " restarts, %" PRIu64
+			       " buffers restored, %" PRIu32 " sessions absent, %" PRIu64
+			       " buffers unprotected\n",
+			       s->restart_protected ? "protected (fd store)" : "not protected", sz,
+			       s->restarts, s->restored_buffers, s->absent_sessions,
+			       s->unprotected_buffers);
+		}
 		text_devices(s);
 	}
 	bbc_response_free(r);

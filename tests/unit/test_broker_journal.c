@@ -26,11 +26,16 @@
 /* ---- a counting host backend ---------------------------------------------- */
 
 static int live_mems; /* memory the backend handed out and did not get back */
+static int grow_next; /* allocs that answer BACKEND_GROW first */
 
 static int count_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		       backend_mem *out, char *err, size_t errlen)
 {
 	(void)be, (void)device, (void)uid, (void)share, (void)handle, (void)err, (void)errlen;
+	if (grow_next > 0) {
+		grow_next--;
+		return BACKEND_GROW;
+	}
 	out->fd = -1;
 	out->size = size;
 	out->priv = malloc(1);
@@ -291,6 +296,7 @@ static void setup(void)
 {
 	srand(14);
 	live_mems = 0;
+	grow_next = 0;
 	clock_ms = 1000;
 }
 
@@ -1018,6 +1024,29 @@ Test(broker_journal, a_closed_session_takes_its_results_out_of_the_journal)
 	cr_assert_eq(st.n_sessions, 0);
 	cr_assert_eq(journal_check(&st, why, sizeof(why)), 0, "%s", why);
 	journal_state_free(&st);
+	broker_free(b);
+	journal_free(j);
+}
+
+Test(broker_journal, a_parked_alloc_is_applied_with_its_retry_not_before)
+{
+	journal *j = new_journal();
+	broker *b = broker_with(j);
+	broker_error err;
+	broker_conn *c = broker_conn_open(b, 1000, 1000, 7, &err);
+	broker_alloc_req req = {.size = 4096, .kind = BB_HOST, .import_fd = -1};
+	broker_buf *buf;
+	grow_next = 1;
+	broker_conn_note_request(c, 1);
+	cr_assert_eq(broker_alloc(b, c, &req, &buf, &err), BACKEND_GROW);
+	journal_session s = session_of_1000(j);
+	cr_assert_eq(s.last_request, 0, "a parked alloc was recorded as applied");
+	cr_assert_eq(s.applied_mask, 0);
+	/* The retry (handler_retry_allocs) notes it again. */
+	broker_conn_note_request(c, 1);
+	cr_assert_eq(broker_alloc(b, c, &req, &buf, &err), 0, "%s", err.msg);
+	s = session_of_1000(j);
+	cr_assert_eq(s.last_request, 1);
 	broker_free(b);
 	journal_free(j);
 }
