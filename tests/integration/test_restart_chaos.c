@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #endif
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
@@ -325,6 +326,30 @@ static void progress_until(fleet *f, bbt_daemon *d, uint64_t want)
 	}
 }
 
+/* What the daemon's fds are, one "fd -> target" a line, for a failure
+ * report. */
+static void fd_list(pid_t pid, char *out, size_t cap)
+{
+	char dir[64];
+	size_t len = 0;
+	out[0] = '\0';
+	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)pid);
+	DIR *dp = opendir(dir);
+	if (!dp)
+		return;
+	struct dirent *e;
+	while ((e = readdir(dp)) && len + 300 < cap) {
+		char path[384], target[256];
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+		ssize_t n = readlink(path, target, sizeof(target) - 1);
+		target[n > 0 ? n : 0] = '\0';
+		len += (size_t)snprintf(out + len, cap - len, "  %s -> %s\n", e->d_name, target);
+	}
+	closedir(dp);
+}
+
 typedef struct tally {
 	uint64_t id, count;
 } tally;
@@ -362,6 +387,8 @@ static void chaos_run(const chaos_opts *o)
 	 * journal) and its pool (none yet), RSS. */
 	int fds0 = bbt_daemon_fds(d), memfds0 = bbt_daemon_memfds(d);
 	long long pooled0 = bbt_pooled_memfds(bbt_metrics_port(d)); /* after: its connection */
+	static char fds0_list[16384], fds_list[16384];
+	fd_list(d->pid, fds0_list, sizeof(fds0_list));
 	long rss0 = bbt_daemon_rss_kb(d);
 	cr_assert(fds0 > 0 && memfds0 >= 0 && rss0 > 0);
 
@@ -468,9 +495,24 @@ static void chaos_run(const chaos_opts *o)
 	cr_assert_eq(bbt_check_problems(c), 0, "bufbroker check");
 
 	/* fds and memfds: as before the clients, but for the memfds the
-	 * daemon says its reuse pool keeps (empty: see the bytes below). */
-	int fds = bbt_daemon_fds(d), memfds = bbt_daemon_memfds(d);
+	 * daemon says its reuse pool keeps (empty: see the bytes below). A
+	 * closed connection's socket goes a loop turn after the broker let
+	 * it go (libuv closes handles in a later turn): polled, with a
+	 * deadline. */
 	long long pooled = bbt_pooled_memfds(bbt_metrics_port(d)); /* idle: it stays */
+	int64_t deadline = bbt_now_ms() + bbt_ms(5000);
+	int fds, memfds;
+	for (;;) {
+		fds = bbt_daemon_fds(d), memfds = bbt_daemon_memfds(d);
+		if ((fds - pooled == fds0 - pooled0 && memfds - pooled == memfds0 - pooled0) ||
+		    bbt_now_ms() >= deadline)
+			break;
+		bbt_sleep_ms(10);
+	}
+	if (fds - pooled != fds0 - pooled0) {
+		fd_list(d->pid, fds_list, sizeof(fds_list));
+		fprintf(stderr, "the daemon's fds at the start:\n%snow:\n%s", fds0_list, fds_list);
+	}
 	cr_assert_eq(fds - pooled, fds0 - pooled0,
 		     "%d fds, %lld of them pooled; at the start %d, %lld", fds, pooled, fds0,
 		     pooled0);
