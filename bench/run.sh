@@ -29,9 +29,13 @@
 #                    process on the machine gets meanwhile. By default the
 #                    machine's mode is left as it is and recorded.
 #   --journal        run the (first) daemon with --restart: its state journal
-#                    on (docs/RESTART.md; experimental), to compare the round
-#                    trip with the journal on and off (the command line
-#                    recorded with the results says which).
+#                    on (docs/RESTART.md; experimental), so that every row
+#                    measures it (the command line recorded with the results
+#                    says which). Without it the journal's cost is measured
+#                    anyway: a fourth daemon with --restart serves the
+#                    "journal" round-trip rows (1 and 16 clients, paired with
+#                    the first daemon's) and the restart scenario, which
+#                    fills it with 100 000 buffers and re-executes it.
 #   -- ARGS...       passed to bufbroker-bench run, e.g. --only roundtrip,local
 #                    or --reps 9 (see bufbroker-bench --help).
 #
@@ -136,6 +140,7 @@ CPID=
 VPID=
 EPID=
 RPID=
+JPID=
 
 stop() { # stop PID SECONDS: SIGTERM, then SIGKILL after SECONDS
 	local pid=$1 secs=$2 i
@@ -154,8 +159,9 @@ cleanup() {
 	stop "$DPID" 60
 	stop "$CPID" 60
 	stop "$VPID" 60
+	stop "$JPID" 60
 	# A sanitizer build's report at the daemon's exit must reach the caller.
-	for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log"; do
+	for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log" "$DIR/daemon-journal.log"; do
 		if grep -qE "Sanitizer|runtime error:" "$log" 2>/dev/null; then
 			echo "---- bufbrokerd log (sanitizer report): $log ----" >&2
 			cat "$log" >&2
@@ -273,6 +279,22 @@ if [[ ${#CUDA_ARG[@]} -gt 0 ]]; then
 	SCALE_CUDA_ARG+=(--scale-vmm-socket "$DIR/bb-vmm.sock" --scale-vmm-pid "$VPID")
 fi
 
+# A fourth, with its state journal on (docs/RESTART.md): the round trip
+# with the journal on at 1 and 16 clients, paired with the first daemon's,
+# and the restart scenario, which fills it (host buffers up to its open-file
+# limit, then 256 B CUDA buffers, VMM by default, when there is CUDA) and
+# has it re-execute itself. Few connections, so that the open-file budget
+# leaves the host buffers as much as it can.
+(
+	ulimit -n "$WANT_FILES" 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+	exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb-journal.sock" --log-level warn --restart \
+		--uid-buffers $((MAX_LEVEL + 100000)) --uid-host-bytes 1T --uid-cuda-bytes 1T \
+		--max-connections 200 ${CUDA_ARG[@]+--cuda-handle vmm}
+) >"$DIR/daemon-journal.log" 2>&1 &
+JPID=$!
+wait_socket "$DIR/bb-journal.sock" "$JPID" "the journal-on bufbrokerd" ||
+	{ cat "$DIR/daemon-journal.log" >&2; exit 1; }
+
 "${PIN[@]}" "$BENCH" echo-server --socket "$DIR/echo.sock" >"$DIR/echo.log" 2>&1 &
 EPID=$!
 wait_socket "$DIR/echo.sock" "$EPID" "the echo server" || { cat "$DIR/echo.log" >&2; exit 1; }
@@ -299,12 +321,13 @@ CONDITIONS+=" daemon open-file limit $(awk '/Max open files/ {print $4}' "/proc/
 CONDITIONS+=" shmem THP: $(thp_mode)${SHMEM_THP:+ (set by --shmem-thp, was $THP_OLD)};"
 CONDITIONS+=" CUDA: $CUDA_DESC"
 
-SERVER_PIDS="$DPID,$EPID${RPID:+,$RPID}${CPID:+,$CPID}${VPID:+,$VPID}"
+SERVER_PIDS="$DPID,$EPID,$JPID${RPID:+,$RPID}${CPID:+,$CPID}${VPID:+,$VPID}"
 QUICK_ARG=()
 [[ $QUICK -eq 1 ]] && QUICK_ARG=(--quick)
 bb_log "running bufbroker-bench${QUICK_ARG:+ --quick} (CUDA: $CUDA_DESC)"
 rc=0
 "$BENCH" run --bb-socket "$DIR/bb.sock" --echo-socket "$DIR/echo.sock" "${REDIS_ARG[@]}" \
+	--journal-socket "$DIR/bb-journal.sock" --journal-pid "$JPID" \
 	--daemon-pid "$DPID" --daemon-fds-kept $((9 * MAX_CONN + 1024 + 1024)) "${SCALE_CUDA_ARG[@]}" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" \
 	"${QUICK_ARG[@]}" "${CUDA_ARG[@]}" \
 	--json "$OUT/bench.json" --plot-data "$OUT" \
@@ -315,7 +338,10 @@ kill -0 "$DPID" 2>/dev/null || { echo "run.sh: bufbrokerd died during the run" >
 	{ echo "run.sh: the second bufbrokerd (CUDA scale) died during the run" >&2; rc=1; }
 [[ -z $VPID ]] || kill -0 "$VPID" 2>/dev/null ||
 	{ echo "run.sh: the third bufbrokerd (VMM scale) died during the run" >&2; rc=1; }
-for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log"; do
+# The restart scenario re-executes it in place: the same pid.
+kill -0 "$JPID" 2>/dev/null ||
+	{ echo "run.sh: the journal-on bufbrokerd died during the run" >&2; rc=1; }
+for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log" "$DIR/daemon-journal.log"; do
 	if [[ -s $log ]]; then
 		echo "---- bufbrokerd log: ${log##*/} ----"
 		tail -n 20 "$log"

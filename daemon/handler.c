@@ -37,6 +37,7 @@ struct handler {
 	uv_timer_t token_timer;      /* next token expiry */
 	uint32_t denied_pending;     /* denied sessions not yet closed */
 	bool stopping;               /* handler_stop was called */
+	handler_upgrade upgrade;     /* the Upgrade op's hooks; prepare NULL: unsupported */
 	session *sessions;           /* open sessions, in connection-number order */
 };
 
@@ -941,19 +942,28 @@ int handler_check(handler *h, char *report, size_t cap)
 	return problems + check_edges(h, report, cap);
 }
 
+/* Admin ops (Check, Upgrade) are for root and the daemon's own uid: true,
+ * or false once r is answered BB_ERR_DENIED. */
+static bool admin_allowed(req_ctx *r, const char *op)
+{
+	uint32_t daemon_uid = (uint32_t)geteuid();
+	char msg[128];
+
+	if (r->c->uid == 0 || r->c->uid == daemon_uid)
+		return true;
+	snprintf(msg, sizeof(msg), "%s is allowed to root and to uid %u (the daemon's)", op,
+		 daemon_uid);
+	reply_error(r, BB_ERR_DENIED, msg);
+	return false;
+}
+
 static void do_check(req_ctx *r)
 {
 	session *me = r->c;
 	handler *h = me->h;
-	uint32_t daemon_uid = (uint32_t)geteuid();
-	char msg[128];
 
-	if (me->uid != 0 && me->uid != daemon_uid) {
-		snprintf(msg, sizeof(msg), "Check is allowed to root and to uid %u (the daemon's)",
-			 daemon_uid);
-		reply_error(r, BB_ERR_DENIED, msg);
+	if (!admin_allowed(r, "Check"))
 		return;
-	}
 	char *report = malloc(CHECK_REPORT_MAX);
 	char **lines = calloc(CHECK_REPORT_MAX / 2, sizeof(*lines));
 	if (!report || !lines) {
@@ -999,6 +1009,37 @@ static void do_check(req_ctx *r)
 	reply(r, &resp, -1);
 	free(lines);
 	free(report);
+}
+
+/* Upgrade: the preflight runs here (the loop waits for it, at most
+ * UPGRADE_PREFLIGHT_MS); a binary that passes is answered 0 and executed
+ * once this loop turn ends (docs/RESTART.md, "Planned upgrade by execve"). */
+static void do_upgrade(req_ctx *r, const Bufbroker__Upgrade *u)
+{
+	session *me = r->c;
+	handler *h = me->h;
+	char why[768], esc[800];
+
+	if (!admin_allowed(r, "Upgrade"))
+		return;
+	if (!h->upgrade.prepare) {
+		reply_error(
+			r, BB_ERR_UNSUPPORTED,
+			"the daemon keeps no state journal (--restart, [restart] journal = on): "
+			"an upgrade would lose every buffer");
+		return;
+	}
+	int err = h->upgrade.prepare(h->upgrade.ctx, u->binary, why, sizeof(why));
+	if (err) {
+		reply_error(r, err, why);
+		return;
+	}
+	log_info("event=upgrade_requested conn=%llu uid=%u pid=%u binary=\"%s\"",
+		 (unsigned long long)me->serial, me->uid, me->pid,
+		 log_escape(u->binary && u->binary[0] ? u->binary : "(its own)", esc, sizeof(esc)));
+	r->quiet = false;
+	reply_ok(r);
+	h->upgrade.start(h->upgrade.ctx);
 }
 
 /* ---- dispatch ------------------------------------------------------------------ */
@@ -1203,6 +1244,7 @@ void handler_request(session *c, const Bufbroker__Request *req, int fd, const ch
 	case BUFBROKER__REQUEST__OP_CLIENTS: do_clients(&r, req->clients); break;
 	case BUFBROKER__REQUEST__OP_CHECK: do_check(&r); break;
 	case BUFBROKER__REQUEST__OP_ALLOCATION_FD: do_allocation_fd(&r, req->allocation_fd); break;
+	case BUFBROKER__REQUEST__OP_UPGRADE: do_upgrade(&r, req->upgrade); break;
 	default:
 		r.quiet = false;
 		reply_error(&r, BB_ERR_PROTOCOL, "unknown or missing op");
@@ -1305,6 +1347,11 @@ handler *handler_new(uv_loop_t *loop, const snapshot_sources *src, park *park,
 	uv_timer_init(loop, &h->token_timer);
 	h->token_timer.data = h;
 	return h;
+}
+
+void handler_set_upgrade(handler *h, const handler_upgrade *u)
+{
+	h->upgrade = u ? *u : (handler_upgrade){0};
 }
 
 void handler_stop(handler *h)

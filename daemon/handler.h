@@ -43,11 +43,26 @@ typedef struct handler_reply {
 	void *ctx; /* passed to each */
 } handler_reply;
 
+/* The planned upgrade as the Upgrade op uses it (upgrade.h): the server
+ * hands it down when the state journal is on; without it Upgrade is
+ * answered BB_ERR_UNSUPPORTED. */
+typedef struct handler_upgrade {
+	/* Whether binary (NULL or "": the daemon's own) can take over: 0, or a
+	 * BB_ERR_* code with why (len bytes). Nothing has changed either way. */
+	int (*prepare)(void *ctx, const char *binary, char *why, size_t len);
+	/* The Upgrade of the prepared binary was answered: re-execute it once
+	 * this loop turn ends. */
+	void (*start)(void *ctx);
+	void *ctx; /* passed to each */
+} handler_upgrade;
+
 /* The request layer for the buffers of src->b. src and counters must
  * outlive it; max_datagram bounds what one answer may hold. NULL out of
  * memory. */
 handler *handler_new(uv_loop_t *loop, const snapshot_sources *src, park *park,
 		     metrics_counters *counters, uint32_t max_datagram);
+/* Serve Upgrade with u (copied); NULL: answer it BB_ERR_UNSUPPORTED. */
+void handler_set_upgrade(handler *h, const handler_upgrade *u);
 /* Free it, once every session is closed and the loop has closed its
  * handles (handler_stop first). */
 void handler_free(handler *h);

@@ -17,6 +17,7 @@
 #include "config.h"
 #include "log.h"
 #include "server.h"
+#include "upgrade.h"
 #include "wire.h"
 
 static void usage(FILE *out)
@@ -24,6 +25,7 @@ static void usage(FILE *out)
 	fprintf(out,
 		"Usage: bufbrokerd [OPTION]...\n"
 		"       bufbrokerd --check-config FILE\n"
+		"       bufbrokerd --check-journal-version\n"
 		"Own host and device buffers and their reference counts across processes.\n"
 		"\n"
 		"  --config FILE          read settings from FILE (default\n"
@@ -32,6 +34,9 @@ static void usage(FILE *out)
 		"                         re-reads it\n"
 		"  --check-config FILE    report every problem in FILE and exit 1, or print\n"
 		"                         \"FILE: ok\" and exit 0\n"
+		"  --check-journal-version\n"
+		"                         print the state journal layouts this binary\n"
+		"                         reads and exit 0 (the preflight of an upgrade)\n"
 		"  --socket PATH          listen here (default %s as root,\n"
 		"                         $XDG_RUNTIME_DIR/%s otherwise);\n"
 		"                         ignored when systemd passes a socket (LISTEN_FDS)\n"
@@ -91,7 +96,9 @@ static void usage(FILE *out)
 		"                         serve Prometheus metrics over HTTP there, e.g.\n"
 		"                         127.0.0.1:9464 (default: off)\n"
 		"  --restart              keep the state journal and the buffers' fds so that\n"
-		"                         buffers survive a restart (systemd's fd store)\n"
+		"                         buffers survive a restart (systemd's fd store);\n"
+		"                         SIGUSR2 or 'bufbroker upgrade' then re-executes\n"
+		"                         the binary in place (bufbrokerd(8), UPGRADE)\n"
 		"  --restart-strict       a kept state that is refused fails the start\n"
 		"                         (default: start empty)\n"
 		"  --restart-grace MS     how long a restored session waits to be resumed\n"
@@ -105,9 +112,9 @@ static void usage(FILE *out)
 		BB_CONFIG_FILE, BB_SYSTEM_SOCKET, BB_USER_SOCKET_NAME, BB_MAX_DATAGRAM);
 }
 
-enum { OPT_KEY = 256, OPT_CONFIG, OPT_CHECK_CONFIG, OPT_VERSION, OPT_HELP };
+enum { OPT_KEY = 256, OPT_CONFIG, OPT_CHECK_CONFIG, OPT_CHECK_JOURNAL, OPT_VERSION, OPT_HELP };
 
-/* Every option but the last four sets a configuration key (config.c). */
+/* Every option but the last five sets a configuration key (config.c). */
 static const struct option options[] = {
 	{"socket", required_argument, NULL, OPT_KEY},
 	{"socket-mode", required_argument, NULL, OPT_KEY},
@@ -142,6 +149,7 @@ static const struct option options[] = {
 	{"restart-grace", required_argument, NULL, OPT_KEY},
 	{"config", required_argument, NULL, OPT_CONFIG},
 	{"check-config", required_argument, NULL, OPT_CHECK_CONFIG},
+	{"check-journal-version", no_argument, NULL, OPT_CHECK_JOURNAL},
 	{"version", no_argument, NULL, OPT_VERSION},
 	{"help", no_argument, NULL, OPT_HELP},
 	{NULL, 0, NULL, 0},
@@ -263,8 +271,11 @@ int main(int argc, char **argv)
 	const char *check = NULL;
 	int opt, idx;
 
-	/* A SIGHUP before the loop handles it must not end the daemon. */
+	/* A SIGHUP or SIGUSR2 before the loop handles it must not end the
+	 * daemon (nor SIGUSR2 one whose journal is off: there is no upgrade). */
 	signal(SIGHUP, SIG_IGN);
+	signal(SIGUSR2, SIG_IGN);
+	upgrade_save_argv(argc, argv);
 	/* $BUFBROKERD_CONFIG moves the default (the test suite points it at
 	 * an empty file so that a host's own config cannot change results). */
 	const char *env = getenv("BUFBROKERD_CONFIG");
@@ -289,6 +300,10 @@ int main(int argc, char **argv)
 			d.file_given = true;
 			break;
 		case OPT_CHECK_CONFIG: check = optarg; break;
+		case OPT_CHECK_JOURNAL:
+			upgrade_print_journal_versions(stdout);
+			free(d.flags);
+			return 0;
 		case OPT_VERSION:
 			printf("bufbrokerd %s (protocol %d.%d)\n", BB_VERSION_STRING,
 			       BB_PROTO_MAJOR, BB_PROTO_MINOR);
@@ -331,6 +346,8 @@ int main(int argc, char **argv)
 	}
 	log_set_level(d.running.log_level);
 	config_log_warnings(&d.running);
+	if (upgrade_take_env())
+		log_info("event=upgraded pid=%ld version=%s", (long)getpid(), BB_VERSION_STRING);
 
 	/* Sends use MSG_NOSIGNAL; this also covers anything that doesn't. */
 	signal(SIGPIPE, SIG_IGN);

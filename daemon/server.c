@@ -33,6 +33,7 @@
 #include "metrics.h"
 #include "park.h"
 #include "snapshot.h"
+#include "upgrade.h"
 #include "wire.h"
 
 #ifndef SO_PEERGROUPS
@@ -74,6 +75,7 @@ struct server {
 	uv_idle_t reap_soon;         /* active while conns are doomed: the turn does not block */
 	uv_signal_t sigterm, sigint; /* clean shutdown */
 	bool stopping;               /* shutdown begun */
+	upgrade *upgrade;            /* Upgrade and SIGUSR2 (journal on), or NULL */
 };
 
 /* mkdir -p for the socket's parent directory. */
@@ -792,6 +794,15 @@ static void check_store_max(server *s)
 			 max, need, s->host_buffers, vmm);
 }
 
+/* The kept state's fds for an upgrade (upgrade.h): restart_each_fd, once
+ * the batched store removals are sent (the fd store then holds what the
+ * new image gets, and no freed buffer). */
+static size_t upgrade_each(void *ctx, int (*fn)(void *fctx, const char *name, int fd), void *fctx)
+{
+	restart_flush(ctx);
+	return restart_each_fd(ctx, fn, fctx);
+}
+
 int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 {
 	if (server_init(out, loop, cfg, true) < 0)
@@ -825,6 +836,19 @@ int server_start(server **out, uv_loop_t *loop, const server_config *cfg)
 	uv_signal_start(&s->sigterm, on_signal, SIGTERM);
 	uv_signal_start(&s->sigint, on_signal, SIGINT);
 
+	if (cfg->journal) {
+		upgrade_env ue = {.loop = loop,
+				  .listen_fd = s->listen_fd,
+				  .each = upgrade_each,
+				  .each_ctx = s->restart};
+		handler_upgrade hu;
+		if (!(s->upgrade = upgrade_new(&ue))) {
+			log_error("event=start_failed error=\"out of memory\"");
+			return -1;
+		}
+		hu = upgrade_hooks(s->upgrade);
+		handler_set_upgrade(s->h, &hu);
+	}
 	log_info("event=listening socket=\"%s\" activation=%s max_datagram=%u",
 		 passed ? "(passed by systemd)" : s->cfg.socket_path, passed ? "systemd" : "none",
 		 s->cfg.max_datagram);
@@ -904,6 +928,7 @@ void server_shutdown(server *s)
 	if (s->loop) {
 		if (s->h)
 			conn_close_all(&s->conns);
+		upgrade_close(s->upgrade);
 		/* Connections closed above free themselves in their close
 		 * callbacks; everything else has no callback to wait for. */
 		uv_walk(s->loop, close_walk, NULL);

@@ -8,6 +8,7 @@
  *   bufbroker [-s PATH] [--json] clients
  *   bufbroker [-s PATH] top [-n N]
  *   bufbroker [-s PATH] [--json] check
+ *   bufbroker [-s PATH] [--json] upgrade [--binary PATH]
  *   bufbroker help [COMMAND]  (or COMMAND --help)
  *
  * The public API has no List, ServerStatus, Stat by name, Clients or Check,
@@ -66,6 +67,7 @@ struct cli {
 	const char *state_arg; /* ls --state */
 	const char *kind_arg;  /* ls --kind */
 	const char *count_arg; /* top -n */
+	const char *binary;    /* upgrade --binary */
 };
 
 /* ls filters, once checked; a row must pass every one that is set. */
@@ -120,6 +122,17 @@ static const struct command commands[] = {
 	{"check", "[--json] check", "verify the daemon's reference counts and totals",
 	 "Ask the daemon to verify its reference counts and totals (root or the\n"
 	 "daemon's uid): prints ok with the totals, or each problem and exits 1.\n",
+	 false},
+	{"upgrade", "[--json] upgrade [--binary PATH]",
+	 "re-execute the daemon in place, keeping every buffer",
+	 "Make the daemon re-execute its binary (or PATH) in the same process,\n"
+	 "keeping every buffer, reference and token and its socket (root or the\n"
+	 "daemon's uid; the daemon must keep its state: --restart). The binary\n"
+	 "must first say it reads the daemon's state (PATH --check-journal-version),\n"
+	 "else nothing happens. Waits until the new image serves, then prints its\n"
+	 "pid and what it restored. Clients pause and resume their sessions.\n"
+	 "  --binary PATH     the binary to run (default: the daemon's own, the file\n"
+	 "                    at the path it was started from)\n",
 	 false},
 	{"help", "help [COMMAND]", "this text, or a command's help",
 	 "This overview, or the help of COMMAND (as 'bufbroker COMMAND --help').\n", false},
@@ -1088,6 +1101,132 @@ static int cmd_check(bb_client *c, bool json)
 	return err;
 }
 
+/* ---- upgrade ------------------------------------------------------------- */
+
+/* How long upgrade waits for the new image to answer. */
+#define UPGRADE_WAIT_MS 30000
+/* An old image still answering this long after it accepted the upgrade
+ * did not re-execute: its execve failed (it logs event=upgrade_failed). */
+#define UPGRADE_EXEC_MS 2000
+
+static int64_t mono_ms(void)
+{
+	struct timespec t;
+
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* The daemon's ServerStatus over c: 0 and *out (bbc_response_free it), or
+ * a BB_ERR_* code. */
+static int server_status(bb_client *c, Bufbroker__Response **out)
+{
+	Bufbroker__ServerStatus op = BUFBROKER__SERVER_STATUS__INIT;
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+
+	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
+	req.server_status = &op;
+	return cli_call(c, &req, BUFBROKER__RESPONSE__RESULT_SERVER_STATUS, out);
+}
+
+/* Ask for the upgrade, then wait: first for the old image to go (it
+ * answers, then re-executes, and this connection, close-on-exec, ends),
+ * then for the new one (the same pid) to answer a new connection. c must
+ * not reconnect on its own (main turns that off for upgrade). */
+static int cmd_upgrade(bb_client *c, const struct cli *cli)
+{
+	Bufbroker__Upgrade op = BUFBROKER__UPGRADE__INIT;
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__Response *r;
+	char binary[4096];
+	int err;
+
+	if (cli->binary) {
+		if (!realpath(cli->binary, binary)) {
+			fprintf(stderr, "bufbroker: %s: %s\n", cli->binary, strerror(errno));
+			return EXIT_USAGE;
+		}
+		op.binary = binary;
+	}
+	err = server_status(c, &r);
+	if (err)
+		return daemon_error(err);
+	uint32_t pid = r->server_status->pid;
+	bbc_response_free(r);
+
+	req.op_case = BUFBROKER__REQUEST__OP_UPGRADE;
+	req.upgrade = &op;
+	err = bbc_call(c, &req, -1, &r, NULL);
+	if (!err) {
+		const char *msg = r->status ? r->status->message : "";
+		if (!r->status || r->status->code != 0)
+			err = bbc_fail(r->status ? r->status->code : BB_ERR_PROTOCOL, "%s",
+				       msg && *msg ? msg : "the daemon's answer has no status");
+		bbc_response_free(r);
+	}
+	if (err == BB_ERR_PROTOCOL && strstr(bb_last_error(), "unknown or missing op")) {
+		fprintf(stderr,
+			"bufbroker: the daemon does not support 'upgrade' (it needs protocol %d.3 "
+			"or later)\n",
+			BB_PROTO_MAJOR);
+		return EXIT_DAEMON;
+	}
+	if (err)
+		return daemon_error(err);
+	int64_t said_yes = mono_ms();
+
+	/* The old image re-executes at the end of the turn that answered. */
+	while (server_status(c, &r) == 0) {
+		bbc_response_free(r);
+		if (mono_ms() - said_yes > UPGRADE_EXEC_MS) {
+			fprintf(stderr, "bufbroker: the daemon accepted the upgrade but still runs "
+					"its old image: its execve failed (see its log, "
+					"event=upgrade_failed)\n");
+			return EXIT_DAEMON;
+		}
+		struct timespec ts = {0, 10 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+	}
+	for (;;) {
+		bb_client *n = NULL;
+		if (bb_connect(cli->socket, &n) == 0 && server_status(n, &r) == 0) {
+			const Bufbroker__ServerStatusReply *s = r->server_status;
+			int64_t ms = mono_ms() - said_yes;
+			if (s->pid != pid) {
+				fprintf(stderr,
+					"bufbroker: another daemon (pid %" PRIu32
+					") answers now: pid %" PRIu32 " did not upgrade in place\n",
+					s->pid, pid);
+				err = EXIT_DAEMON;
+			} else if (cli->json) {
+				printf("{\"upgraded\":true,\"pid\":%" PRIu32 ",\"version\":",
+				       s->pid);
+				json_str(s->server_version);
+				printf(",\"restored_buffers\":%" PRIu64 ",\"restarts\":%" PRIu64
+				       ",\"ms\":%" PRId64 "}\n",
+				       s->restored_buffers, s->restarts, ms);
+			} else {
+				printf("upgraded: pid %" PRIu32 ", version ", s->pid);
+				put_text(s->server_version);
+				printf(", %" PRIu64 " buffers restored, serving after %" PRId64
+				       " ms\n",
+				       s->restored_buffers, ms);
+			}
+			bbc_response_free(r);
+			bb_disconnect(n);
+			return err;
+		}
+		bb_disconnect(n);
+		if (mono_ms() - said_yes > UPGRADE_WAIT_MS) {
+			fprintf(stderr, "bufbroker: the daemon did not come back within %d s\n",
+				UPGRADE_WAIT_MS / 1000);
+			return EXIT_UNREACHABLE;
+		}
+		struct timespec ts = {0, 20 * 1000 * 1000};
+		nanosleep(&ts, NULL);
+	}
+}
+
 /* ---- top ---------------------------------------------------------------- */
 
 static volatile sig_atomic_t g_top_stop; /* a signal asked top to end */
@@ -1370,7 +1509,8 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 		OPT_NAME,
 		OPT_UID,
 		OPT_STATE,
-		OPT_KIND
+		OPT_KIND,
+		OPT_BINARY
 	};
 	static const struct option longopts[] = {
 		{"socket", required_argument, NULL, OPT_SOCKET},
@@ -1382,6 +1522,7 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 		{"uid", required_argument, NULL, OPT_UID},
 		{"state", required_argument, NULL, OPT_STATE},
 		{"kind", required_argument, NULL, OPT_KIND},
+		{"binary", required_argument, NULL, OPT_BINARY},
 		{NULL, 0, NULL, 0},
 	};
 	int opt;
@@ -1398,6 +1539,7 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 		case OPT_UID: cli->uid_arg = optarg; break;
 		case OPT_STATE: cli->state_arg = optarg; break;
 		case OPT_KIND: cli->kind_arg = optarg; break;
+		case OPT_BINARY: cli->binary = optarg; break;
 		case 'n': cli->count_arg = optarg; break;
 		case 'h': cli->help = true; break;
 		case OPT_VERSION:
@@ -1453,6 +1595,8 @@ static int parse_args(int argc, char **argv, struct cli *cli)
 	}
 	if (!is_ls && (cli->uid_arg || cli->state_arg || cli->kind_arg))
 		return usage_error("--uid, --state and --kind belong to 'ls'");
+	if (cli->binary && strcmp(cli->command, "upgrade") != 0)
+		return usage_error("--binary belongs to 'upgrade'");
 	if (strcmp(cli->command, "top") == 0) {
 		if (cli->json)
 			return usage_error("'top' has no --json form; use status, clients and ls");
@@ -1566,6 +1710,9 @@ int main(int argc, char **argv)
 	if (rc)
 		return rc;
 
+	/* upgrade watches its connection end: it must not come back. */
+	if (strcmp(cli.command, "upgrade") == 0)
+		setenv("BUFBROKER_RECONNECT", "0", 1);
 	err = bb_connect(cli.socket, &c);
 	if (err)
 		return connect_error(err, cli.socket);
@@ -1579,6 +1726,8 @@ int main(int argc, char **argv)
 		rc = cmd_top(c, frames);
 	else if (strcmp(cli.command, "check") == 0)
 		rc = cmd_check(c, cli.json);
+	else if (strcmp(cli.command, "upgrade") == 0)
+		rc = cmd_upgrade(c, &cli);
 	else
 		rc = cmd_stat(c, cli.json, id, name);
 	bb_disconnect(c);

@@ -18,6 +18,7 @@
 #endif
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <stddef.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -34,9 +35,8 @@
 TestSuite(fakesd, .fini = bbt_cleanup, .timeout = 60);
 
 typedef struct toy {
-	char dir[32];
-	char path[64];
-	int lsn;        /* where the toy connects ($TOY_CTL) */
+	char name[64];  /* $TOY_CTL: "@" and an abstract socket name */
+	int lsn;        /* where the toy connects */
 	int conn;       /* the running toy's connection */
 	bbt_daemon *d;  /* the toy under the stand-in */
 	char rep[8192]; /* its last start report */
@@ -72,14 +72,17 @@ static void toy_start(toy *t)
 {
 	memset(t, 0, sizeof(*t));
 	t->conn = -1;
-	snprintf(t->dir, sizeof(t->dir), "/tmp/bbt-toy-XXXXXX");
-	cr_assert(mkdtemp(t->dir));
-	snprintf(t->path, sizeof(t->path), "%s/toy.sock", t->dir);
+	/* An abstract name: nothing on disk, whatever happens. */
+	snprintf(t->name, sizeof(t->name), "@bbt-toy-%d-%lld", (int)getpid(),
+		 (long long)bbt_now_ms());
 	t->lsn = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	struct sockaddr_un a = {.sun_family = AF_UNIX};
-	snprintf(a.sun_path, sizeof(a.sun_path), "%s", t->path);
-	cr_assert(bind(t->lsn, (struct sockaddr *)&a, sizeof(a)) == 0 && listen(t->lsn, 4) == 0);
-	setenv("TOY_CTL", t->path, 1);
+	size_t len = strlen(t->name);
+	memcpy(a.sun_path + 1, t->name + 1, len - 1);
+	cr_assert(bind(t->lsn, (struct sockaddr *)&a,
+		       (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len)) == 0 &&
+		  listen(t->lsn, 4) == 0);
+	setenv("TOY_CTL", t->name, 1);
 	const char *exe = getenv("BB_FAKESD_TOY");
 	cr_assert(exe && *exe, "BB_FAKESD_TOY is not set (ctest sets it)");
 	const char *argv[] = {exe, NULL};
@@ -93,8 +96,6 @@ static void toy_end(toy *t)
 	if (t->conn >= 0)
 		close(t->conn);
 	close(t->lsn);
-	unlink(t->path);
-	rmdir(t->dir);
 }
 
 static void toy_cmd(toy *t, const char *cmd)
@@ -149,6 +150,19 @@ static void status_of(const bbt_daemon *d, bbt_sd_state *st)
 {
 	int rc = bbt_sd_status(d, st);
 	cr_assert_eq(rc, 0, "bbt_sd_status: %d", rc);
+}
+
+/* Poll until the service has ended (state dead). */
+static void dead_until(const bbt_daemon *d, bbt_sd_state *st)
+{
+	int64_t deadline = bbt_now_ms() + bbt_ms(5000);
+	do {
+		status_of(d, st);
+		if (!strcmp(st->state, "dead"))
+			break;
+		bbt_sleep_ms(5);
+	} while (bbt_now_ms() < deadline);
+	cr_assert_str_eq(st->state, "dead");
 }
 
 Test(fakesd, the_first_start_gets_the_socket_and_the_notify_socket)
@@ -282,14 +296,7 @@ Test(fakesd, a_clean_exit_ends_the_service_and_empties_the_store)
 	toy_cmd(&t, "store a A1");
 	const char *ex = "exit 0";
 	cr_assert_eq(bbt_send(t.conn, ex, strlen(ex)), 0);
-	int64_t deadline = bbt_now_ms() + bbt_ms(5000);
-	do {
-		status_of(t.d, &st);
-		if (!strcmp(st.state, "dead"))
-			break;
-		bbt_sleep_ms(5);
-	} while (bbt_now_ms() < deadline);
-	cr_assert_str_eq(st.state, "dead");
+	dead_until(t.d, &st);
 	cr_assert_eq(st.stored, 0);
 	cr_assert_eq(st.pid, -1);
 	/* Not relaunched: well past RestartSec, still the first start. */
@@ -305,14 +312,7 @@ Test(fakesd, sigterm_is_a_clean_end_too)
 	bbt_sd_state st;
 	toy_start(&t);
 	cr_assert_eq(kill(t.d->pid, SIGTERM), 0);
-	int64_t deadline = bbt_now_ms() + bbt_ms(5000);
-	do {
-		status_of(t.d, &st);
-		if (!strcmp(st.state, "dead"))
-			break;
-		bbt_sleep_ms(5);
-	} while (bbt_now_ms() < deadline);
-	cr_assert_str_eq(st.state, "dead");
+	dead_until(t.d, &st);
 	cr_assert_eq(st.gen, 1);
 	toy_end(&t);
 }

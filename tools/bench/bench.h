@@ -123,15 +123,19 @@ void results_free(void);
 /* ---- the closed-loop runner ------------------------------------------------- */
 
 /* Which server a round-trip client talks to. */
-typedef enum rt_system { RT_BUFBROKER, RT_ECHO, RT_REDIS } rt_system;
+/* RT_JOURNAL: bufbroker again, on the daemon with the state journal on
+ * (rt_config.journal_socket), to compare with RT_BUFBROKER (journal off). */
+typedef enum rt_system { RT_BUFBROKER, RT_ECHO, RT_REDIS, RT_JOURNAL } rt_system;
 
 /* Where the servers are and how the echo datagrams are sized. */
 typedef struct rt_config {
-	const char *bb_socket;    /* bufbrokerd */
-	const char *echo_socket;  /* bufbroker-bench echo-server */
-	const char *redis_socket; /* redis-server, or NULL to skip Redis */
-	size_t req_bytes[2];      /* echo request sizes: retain, release */
-	size_t resp_bytes[2];     /* echo response sizes */
+	const char *bb_socket;      /* bufbrokerd */
+	const char *echo_socket;    /* bufbroker-bench echo-server */
+	const char *redis_socket;   /* redis-server, or NULL to skip Redis */
+	const char *journal_socket; /* bufbrokerd --restart, or NULL to skip RT_JOURNAL
+				     * and the restart scenario */
+	size_t req_bytes[2];        /* echo request sizes: retain, release */
+	size_t resp_bytes[2];       /* echo response sizes */
 } rt_config;
 
 /* One repetition's figures. */
@@ -164,6 +168,7 @@ typedef struct bench_opts {
 	rt_config rt;             /* servers */
 	int daemon_pid;           /* for RSS and the fd limit; 0: unknown */
 	uint64_t daemon_fds_kept; /* fds the daemon keeps besides one per host buffer */
+	int journal_pid;          /* the journal-on daemon (rt.journal_socket), 0: none */
 	/* The CUDA scale series runs on a second bufbrokerd, idle until then,
 	 * so that the heap the host series freed does not hide what its
 	 * buffers cost; NULL: on bb_socket and daemon_pid. */
@@ -194,6 +199,18 @@ const char *shmem_thp_mode(void);
 const char *anon_thp_mode(void);
 void scenario_scale(const bench_opts *o);
 void scenario_cuda(const bench_opts *o);
+/* Live restart (docs/RESTART.md): the journal-on daemon filled with host
+ * buffers re-executes itself (Upgrade); how long until it serves again,
+ * and a client's longest call across it. */
+void scenario_restart(const bench_opts *o);
+/* The daemon's open-file soft limit (/proc/PID/limits), or -1. */
+long bench_daemon_nofile(int pid);
+struct bb_client;
+/* One Alloc of kind (BB_HOST or BB_CUDA) and bytes through the raw request
+ * path (a host buffer's memfd is closed at once: the caller keeps only the
+ * id and the connection's count). 0, or a BB_ERR_* code with err set. */
+int bench_raw_alloc(struct bb_client *c, int kind, uint64_t bytes, uint64_t *id, char *err,
+		    size_t errlen);
 
 /* The echo server: one thread, epoll, one recv and one send per request.
  * A request's first two bytes (little endian) give the size of the answer;

@@ -32,6 +32,10 @@ static void usage(FILE *f)
 		"  --echo-socket PATH    the echo server's socket\n"
 		"  --redis-socket PATH   redis-server's Unix socket (Redis rows skipped without)\n"
 		"  --daemon-pid PID      bufbrokerd's pid, for its RSS and open-file limit\n"
+		"  --journal-socket PATH a bufbrokerd with its state journal on (--restart):\n"
+		"                        the round trip at 1 and 16 clients on it, and the\n"
+		"                        restart scenario (it re-executes that daemon)\n"
+		"  --journal-pid PID     that daemon's pid\n"
 		"  --daemon-fds-kept N   the open files the daemon keeps besides one per host\n"
 		"                        buffer (its budget: 9 per --max-connections, its pool,\n"
 		"                        spares; default 512): caps the host scale levels\n"
@@ -54,7 +58,8 @@ static void usage(FILE *f)
 		"                        1000,10000,100000)\n"
 		"  --zc-mib N            zero-copy size in MiB (default 256, quick 64)\n"
 		"  --cuda                run the CUDA scenarios ($BUFBROKER_CUDA_LIBRARY)\n"
-		"  --only LIST           scenario groups: roundtrip,local,host,zerocopy,cuda,scale\n"
+		"  --only LIST           scenario groups: roundtrip,local,host,zerocopy,cuda,\n"
+		"                        restart,scale\n"
 		"  --json FILE           write every figure as JSON\n"
 		"  --plot-data DIR       write the data files bench/run.sh --plot draws\n"
 		"  --commit TEXT, --command TEXT, --conditions TEXT\n"
@@ -175,6 +180,8 @@ enum {
 	OPT_COMMAND,
 	OPT_CONDITIONS,
 	OPT_SOCKET,
+	OPT_JOURNAL_SOCKET,
+	OPT_JOURNAL_PID,
 	OPT_HELP,
 };
 
@@ -204,6 +211,8 @@ static const struct option options[] = {
 	{"command", required_argument, NULL, OPT_COMMAND},
 	{"conditions", required_argument, NULL, OPT_CONDITIONS},
 	{"socket", required_argument, NULL, OPT_SOCKET},
+	{"journal-socket", required_argument, NULL, OPT_JOURNAL_SOCKET},
+	{"journal-pid", required_argument, NULL, OPT_JOURNAL_PID},
 	{"help", no_argument, NULL, OPT_HELP},
 	{NULL, 0, NULL, 0},
 };
@@ -323,6 +332,8 @@ int main(int argc, char **argv)
 		case OPT_COMMAND: command = optarg; break;
 		case OPT_CONDITIONS: conditions = optarg; break;
 		case OPT_SOCKET: socket_path = optarg; break;
+		case OPT_JOURNAL_SOCKET: o.rt.journal_socket = optarg; break;
+		case OPT_JOURNAL_PID: o.journal_pid = atoi(optarg); break;
 		case OPT_HELP: usage(stdout); return 0;
 		default: return bad("unknown option");
 		}
@@ -375,6 +386,7 @@ int main(int argc, char **argv)
 		{"host", scenario_host},
 		{"zerocopy", scenario_zerocopy},
 		{"cuda", scenario_cuda},
+		{"restart", scenario_restart},
 		/* Last: its million buffers take the daemon a while to free. */
 		{"scale", scenario_scale},
 	};

@@ -116,6 +116,14 @@ static double result_ratio(const result *r, const char **against)
 /* ---- targets ------------------------------------------------------------------- */
 
 static char scale_what[128], scale_cuda_what[160], rss_what[128], rss_vmm_what[128];
+static char ready_what[160];
+
+/* A restart row's figure (ms), NAN when it was not measured. */
+static double restart_ms(const char *name)
+{
+	const result *r = result_find(name);
+	return r && !r->skipped ? r->extra : NAN;
+}
 
 static double local_ratio(void)
 {
@@ -194,6 +202,19 @@ static int targets_compute(const bench_opts *o, target *t)
 				  ? div_or_nan(v1->rss_per_buf, c1->rss_per_buf)
 				  : NAN,
 			  1.1, 1};
+	/* Issue 14: the state journal's cost and the restart's. */
+	const result *j1 = rt_find("journal", 1), *j16 = rt_find("journal", 16);
+	t[n++] = (target){"round trip ops/s, state journal on vs off, 1 client", ">= 0.95x",
+			  j1 ? j1->r_base : NAN, 0.95, 0};
+	t[n++] = (target){"round trip ops/s, state journal on vs off, 16 clients", ">= 0.95x",
+			  j16 ? j16->r_base : NAN, 0.95, 0};
+	const result *ready = result_find("restart.ready");
+	snprintf(ready_what, sizeof(ready_what),
+		 "restart_ready: serving again after an upgrade, %" PRIu64 " live buffers (ms)",
+		 ready ? ready->param : 0);
+	t[n++] = (target){ready_what, "<= 1000", restart_ms("restart.ready"), 1000, 1};
+	t[n++] = (target){"restart_stall: a client's longest call across it (ms)", "<= 2000",
+			  restart_ms("restart.stall"), 2000, 1};
 	return n;
 }
 
@@ -259,7 +280,7 @@ static void scale_rows(const char *group, bool slab)
 
 void report_print(const bench_opts *o)
 {
-	target t[16];
+	target t[24];
 	int nt;
 	char cpus[128] = "";
 
@@ -288,9 +309,9 @@ void report_print(const bench_opts *o)
 	printf("%7s  %-10s %9s %9s %11s %9s %9s %10s\n", "clients", "system", "p50 us", "p99 us",
 	       "ops/s", "p50/echo", "ops/echo", "ops/redis");
 	for (int c = 0; c < o->ncounts; c++) {
-		static const char *sys[] = {"bufbroker", "echo", "redis"};
+		static const char *sys[] = {"bufbroker", "echo", "redis", "journal"};
 		int n = o->counts[c];
-		for (int s = 0; s < 3; s++) {
+		for (int s = 0; s < 4; s++) {
 			char name[64];
 			snprintf(name, sizeof(name), "roundtrip.%s.c%d", sys[s], n);
 			const result *r = result_find(name);
@@ -303,11 +324,16 @@ void report_print(const bench_opts *o)
 			ratio(r->r_p50_echo, 9);
 			ratio(r->r_ops_echo, 9);
 			ratio(r->r_ops_redis, 10);
+			if (!isnan(r->r_base))
+				printf("  ops %.3fx journal off", r->r_base);
 			if (r->skipped)
 				printf("  (%s)", r->note);
 			printf("\n");
 		}
 	}
+	if (o->rt.journal_socket)
+		printf("(journal: bufbroker on a daemon with its state journal on, --restart;\n"
+		       " \"ops ... journal off\": its ops/s over bufbroker's, paired by repetition)\n");
 
 	printf("\nLocal reference counting (one process, ns per pair)\n");
 	for (int i = 0; i < result_count(); i++) {
@@ -404,12 +430,24 @@ void report_print(const bench_opts *o)
 	printf("  (ratio: slab alloc vs cuMemAlloc; warm map vs cuIpcOpenMemHandle; p50s)\n");
 	notes_of("cuda");
 
+	printf("\nLive restart (issue 14): the journal-on daemon re-executes itself (Upgrade)\n");
+	for (int i = 0; i < result_count(); i++) {
+		const result *r = result_at(i);
+		if (strcmp(r->group, "restart"))
+			continue;
+		printf("  %-58s", r->label);
+		num(r->extra, 9, 1);
+		printf(" ms");
+		if (r->note[0])
+			printf("  (%s)", r->note);
+		printf("\n");
+	}
 	nt = targets_compute(o, t);
 	int width = 64;
 	for (int i = 0; i < nt; i++)
 		if ((int)strlen(t[i].what) > width)
 			width = (int)strlen(t[i].what);
-	printf("\nTargets (issue 6, ratios from this run)\n");
+	printf("\nTargets (issues 6 and 14, ratios from this run)\n");
 	for (int i = 0; i < nt; i++) {
 		printf("  %-13s %-*s %-9s", target_verdict(&t[i]), width, t[i].what, t[i].bound);
 		if (isnan(t[i].measured))
@@ -445,7 +483,7 @@ static void json_num(FILE *f, const char *key, double v)
 
 int report_json(const bench_opts *o, const char *path, const char *meta_json)
 {
-	target t[16];
+	target t[24];
 	int nt = targets_compute(o, t);
 	FILE *f = fopen(path, "w");
 

@@ -141,12 +141,14 @@ static void conn_open(struct rt_conn *k, const rt_config *cfg, rt_system sys, in
 	k->sys = sys;
 	k->sock = -1;
 	switch (sys) {
-	case RT_BUFBROKER: {
+	case RT_BUFBROKER:
+	case RT_JOURNAL: {
 		bb_alloc_opts ao = {.size = 4096, .kind = BB_HOST};
+		const char *path = sys == RT_JOURNAL ? cfg->journal_socket : cfg->bb_socket;
 
-		rc = bb_connect(cfg->bb_socket, &k->bb);
+		rc = bb_connect(path, &k->bb);
 		if (rc)
-			child_die("bb_connect %s: %s", cfg->bb_socket, bb_last_error());
+			child_die("bb_connect %s: %s", path, bb_last_error());
 		rc = bb_alloc(k->bb, &ao, &k->buf);
 		if (rc)
 			child_die("bb_alloc: %s", bb_last_error());
@@ -195,7 +197,8 @@ static void conn_open(struct rt_conn *k, const rt_config *cfg, rt_system sys, in
 static inline void conn_op(struct rt_conn *k, int which)
 {
 	switch (k->sys) {
-	case RT_BUFBROKER: {
+	case RT_BUFBROKER:
+	case RT_JOURNAL: {
 		int rc = which ? bb_release(k->bb, k->id, 1) : bb_retain(k->bb, k->id, 1);
 		if (rc)
 			child_die("%s: %s", which ? "bb_release" : "bb_retain", bb_last_error());
@@ -233,6 +236,7 @@ static void conn_close(struct rt_conn *k)
 {
 	switch (k->sys) {
 	case RT_BUFBROKER:
+	case RT_JOURNAL:
 		bb_unref(k->buf);
 		bb_disconnect(k->bb);
 		break;
@@ -413,16 +417,27 @@ static double paired_ratio(const double *a, const double *b, int n)
 	return m;
 }
 
-static const char *sys_name[] = {"bufbroker", "echo", "redis"};
+static const char *sys_name[] = {"bufbroker", "echo", "redis", "journal"};
+#define RT_SYSTEMS 4
+
+/* Whether system s runs at client count c: Redis when it is there; the
+ * journal-on daemon at 1 and 16 clients, where its targets are. */
+static int rt_runs(const bench_opts *o, int s, int c)
+{
+	if (s == RT_REDIS)
+		return rt_have_redis() && o->rt.redis_socket;
+	if (s == RT_JOURNAL)
+		return o->rt.journal_socket && (o->counts[c] == 1 || o->counts[c] == 16);
+	return 1;
+}
 
 void scenario_roundtrip(const bench_opts *o)
 {
-	int nsys = rt_have_redis() && o->rt.redis_socket ? 3 : 2;
-	int n = o->ncounts * 3 * o->reps;
+	int n = o->ncounts * RT_SYSTEMS * o->reps;
 	double *p50 = calloc((size_t)n, sizeof(double));
 	double *p99 = calloc((size_t)n, sizeof(double));
 	double *tput = calloc((size_t)n, sizeof(double));
-	char errs[3][8][200] = {{{0}}};
+	char errs[RT_SYSTEMS][8][200] = {{{0}}};
 	char err[200];
 
 	if (!p50 || !p99 || !tput) {
@@ -434,9 +449,11 @@ void scenario_roundtrip(const bench_opts *o)
 	 * drift on a shared machine touches all of them alike. */
 	for (int r = 0; r < o->reps; r++) {
 		for (int c = 0; c < o->ncounts; c++) {
-			for (int s = 0; s < nsys; s++) {
+			for (int s = 0; s < RT_SYSTEMS; s++) {
 				rt_figures f;
 
+				if (!rt_runs(o, s, c))
+					continue;
 				fprintf(stderr, "  round trip: rep %d/%d, %2d clients, %s\n", r + 1,
 					o->reps, o->counts[c], sys_name[s]);
 				if (rt_run(&o->rt, (rt_system)s, o->counts[c], o->dur_ns, &f, err,
@@ -454,15 +471,17 @@ void scenario_roundtrip(const bench_opts *o)
 		}
 	}
 	for (int c = 0; c < o->ncounts; c++) {
-		for (int s = 0; s < 3; s++) {
+		for (int s = 0; s < RT_SYSTEMS; s++) {
 			char name[64], label[64];
 
+			if (s == RT_JOURNAL && !rt_runs(o, s, c))
+				continue; /* no row: it is not measured at this count */
 			snprintf(name, sizeof(name), "roundtrip.%s.c%d", sys_name[s], o->counts[c]);
 			snprintf(label, sizeof(label), "%s", sys_name[s]);
 			result *res = result_new(name, "roundtrip", sys_name[s], label);
 			res->clients = o->counts[c];
 			res->reps = o->reps;
-			if (s >= nsys) {
+			if (!rt_runs(o, s, c)) {
 				res->skipped = 1;
 				result_note(res, "%s",
 					    rt_have_redis() ? "no redis-server socket given"
@@ -480,15 +499,21 @@ void scenario_roundtrip(const bench_opts *o)
 				res->r_ops_echo = paired_ratio(&tput[AT(s, c, 0)],
 							       &tput[AT(RT_ECHO, c, 0)], o->reps);
 			}
-			if (s == RT_BUFBROKER && nsys > RT_REDIS)
+			if (s == RT_BUFBROKER && rt_runs(o, RT_REDIS, c))
 				res->r_ops_redis = paired_ratio(&tput[AT(s, c, 0)],
 								&tput[AT(RT_REDIS, c, 0)], o->reps);
+			/* Journal on over off, ops/s, paired the same way. */
+			if (s == RT_JOURNAL)
+				res->r_base = paired_ratio(&tput[AT(s, c, 0)],
+							   &tput[AT(RT_BUFBROKER, c, 0)], o->reps);
 		}
 	}
 	for (int c = 0; c < o->ncounts; c++) {
-		for (int s = 0; s < nsys; s++) {
+		for (int s = 0; s < RT_SYSTEMS; s++) {
 			char name[64];
 
+			if (!rt_runs(o, s, c))
+				continue;
 			snprintf(name, sizeof(name), "roundtrip.%s.c%d", sys_name[s], o->counts[c]);
 			result *res = result_find(name);
 			res->p50_us = median(&p50[AT(s, c, 0)], o->reps);

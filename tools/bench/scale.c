@@ -113,8 +113,7 @@ static long daemon_rss_kb(int pid)
 	return proc_kb(path, "VmRSS");
 }
 
-/* The daemon's soft limit on open files, or -1. */
-static long daemon_nofile(int pid)
+long bench_daemon_nofile(int pid)
 {
 	char path[64], line[256];
 	long v = -1;
@@ -139,15 +138,15 @@ static long daemon_nofile(int pid)
 /* One raw Alloc of s's kind and size. A CUDA Alloc may wait in the daemon
  * for a slab to grow (off its loop thread): bbc_call waits for the answer
  * with the request's id, however late it comes. */
-static int raw_alloc(bb_client *c, const series *s, uint64_t *id, char *err, size_t errlen)
+int bench_raw_alloc(bb_client *c, int kind, uint64_t bytes, uint64_t *id, char *err, size_t errlen)
 {
 	Bufbroker__Alloc al = BUFBROKER__ALLOC__INIT;
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	Bufbroker__Response *r;
 	int rc;
 
-	al.size = s->bytes;
-	al.kind = s->kind == BB_CUDA ? BUFBROKER__KIND__KIND_CUDA : BUFBROKER__KIND__KIND_HOST;
+	al.size = bytes;
+	al.kind = kind == BB_CUDA ? BUFBROKER__KIND__KIND_CUDA : BUFBROKER__KIND__KIND_HOST;
 	req.op_case = BUFBROKER__REQUEST__OP_ALLOC;
 	req.alloc = &al;
 	rc = bbc_call(c, &req, -1, &r, NULL); /* a memfd is closed for us */
@@ -227,7 +226,7 @@ __attribute__((noreturn)) static void filler_main(const char *path, const series
 		struct ack a = {0};
 		for (uint64_t i = 0; i < n; i++) {
 			char err[sizeof(a.msg)];
-			a.code = raw_alloc(c, s, &id, err, sizeof(err));
+			a.code = bench_raw_alloc(c, s->kind, s->bytes, &id, err, sizeof(err));
 			if (a.code) {
 				snprintf(a.msg, sizeof(a.msg),
 					 "alloc %" PRIu64 " of %" PRIu64 ": %.140s", i + 1, n, err);
@@ -421,7 +420,7 @@ static void series_run(const bench_opts *o, const series *s, long prev_kb, long 
 		return;
 	}
 	if (s->kind == BB_HOST)
-		nofile = daemon_nofile(o->daemon_pid);
+		nofile = bench_daemon_nofile(o->daemon_pid);
 	rss0 = daemon_rss_kb(o->daemon_pid);
 	slab0 = proc_kb("/proc/meminfo", "Slab");
 
