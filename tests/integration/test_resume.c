@@ -13,12 +13,12 @@
  *   once when reconnecting is off (BUFBROKER_RECONNECT=0, opts.enabled 0);
  * - the test-only crash point kills the daemon between the commit and the
  *   answer;
- * - with the systemd stand-in (bbt_start_sd, part A2 of issue 14; these
- *   tests need it and the daemon's start from the fd store, part A): a
- *   client's buffers, mappings, a PENDING buffer and a parked waiter in
- *   another process survive a SIGKILL; a request cut by the crash point is
- *   applied exactly once (Alloc, Retain, Release, Take, Adopt); a session
- *   not resumed within the grace period is released.
+ * - with the systemd stand-in (bbt_start_sd) and the daemon's start from
+ *   the fd store: a client's buffers, mappings, a PENDING buffer and a
+ *   parked waiter in another process survive a SIGKILL; a request cut by
+ *   the crash point is applied exactly once (Alloc, Retain, Release, Take,
+ *   Adopt); a session not resumed within the grace period is released, and
+ *   so is a 1.2 client's.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -40,25 +40,11 @@
 #include "client_internal.h"
 #include "harness.h"
 
-/* The systemd stand-in's harness API (tests/integration/harness.h once
- * part A2 of issue 14 is merged). Weak: without it these tests say so. */
-bbt_daemon *bbt_start_sd(const char *const *extra) __attribute__((weak));
-void bbt_sd_crash(bbt_daemon *d) __attribute__((weak));
-
 TestSuite(resume, .fini = bbt_cleanup, .timeout = 120);
 
 #define NOBODY 65534
 
 static const char *const journal_on[] = {"--restart", NULL};
-
-/* The tests that need a daemon restarting from its kept state. */
-static void need_sd(void)
-{
-	if (bbt_start_sd && bbt_sd_crash)
-		return;
-	cr_assert(!getenv("CI"), "the systemd stand-in (bbt_start_sd) is not built in");
-	cr_skip_test("needs the systemd stand-in (bbt_start_sd, issue 14 part A2)");
-}
 
 /* ---- the raw protocol ------------------------------------------------------ */
 
@@ -455,7 +441,6 @@ static bool wait_calls(stall *s, uint64_t n)
 
 Test(resume, buffers_mappings_pending_buffers_and_waits_survive_a_crash)
 {
-	need_sd();
 	bbt_daemon *d = bbt_start_sd(NULL);
 	bb_client *c = bbt_connect(d);
 	bb_client *prod = bbt_connect(d);
@@ -527,7 +512,6 @@ enum { OP_ALLOC, OP_RETAIN, OP_RELEASE, OP_TAKE, OP_ADOPT };
 
 static void exactly_once(int op)
 {
-	need_sd();
 	char marker[256];
 	/* State-changing requests before the one cut: Alloc (1), then Retain
 	 * (2) for the ops on an existing buffer, Take (3) for Adopt. */
@@ -619,7 +603,6 @@ Test(resume, an_adopt_cut_by_a_crash_is_applied_once)
 
 Test(resume, a_session_not_resumed_within_the_grace_period_is_released)
 {
-	need_sd();
 	char grace[32];
 	snprintf(grace, sizeof(grace), "%d", bbt_ms(1000)); /* the restart takes less */
 	const char *const args[] = {"--restart-grace", grace, NULL};
@@ -652,7 +635,6 @@ Test(resume, a_session_not_resumed_within_the_grace_period_is_released)
  * a disconnect. */
 Test(resume, a_1_2_client_loses_its_buffers_only_after_the_grace_period)
 {
-	need_sd();
 	char grace[32];
 	snprintf(grace, sizeof(grace), "%d", bbt_ms(1500)); /* the restart takes less */
 	const char *const args[] = {"--restart-grace", grace, NULL};
