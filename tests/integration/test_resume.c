@@ -601,12 +601,19 @@ Test(resume, an_adopt_cut_by_a_crash_is_applied_once)
 	exactly_once(OP_ADOPT);
 }
 
-Test(resume, a_session_not_resumed_within_the_grace_period_is_released)
+/* A daemon under the stand-in whose restored sessions wait ms (times
+ * bbt_slow: the restart takes less) to be resumed. */
+static bbt_daemon *start_sd_with_grace(int ms)
 {
 	char grace[32];
-	snprintf(grace, sizeof(grace), "%d", bbt_ms(1000)); /* the restart takes less */
+	snprintf(grace, sizeof(grace), "%d", bbt_ms(ms));
 	const char *const args[] = {"--restart-grace", grace, NULL};
-	bbt_daemon *d = bbt_start_sd(args);
+	return bbt_start_sd(args);
+}
+
+Test(resume, a_session_not_resumed_within_the_grace_period_is_released)
+{
+	bbt_daemon *d = start_sd_with_grace(1000);
 	bb_client *c = bbt_connect(d);
 	set_reconnect(c, 0, 0); /* it will not come back */
 	bb_client *other = bbt_connect(d);
@@ -635,10 +642,7 @@ Test(resume, a_session_not_resumed_within_the_grace_period_is_released)
  * a disconnect. */
 Test(resume, a_1_2_client_loses_its_buffers_only_after_the_grace_period)
 {
-	char grace[32];
-	snprintf(grace, sizeof(grace), "%d", bbt_ms(1500)); /* the restart takes less */
-	const char *const args[] = {"--restart-grace", grace, NULL};
-	bbt_daemon *d = bbt_start_sd(args);
+	bbt_daemon *d = start_sd_with_grace(1500);
 	int sock = bbt_raw_connect(d->sock);
 	cr_assert_geq(sock, 0);
 	Bufbroker__Hello h = BUFBROKER__HELLO__INIT;
