@@ -240,8 +240,10 @@ static int call_start(bb_client *c, struct call *k)
 	pthread_mutex_lock(&c->mu);
 	if (conn_lost_errno(n)) {
 		if (resumable(c)) {
-			/* Sent again once the session is resumed. */
-			k->sent_gen = 0;
+			/* Sent again once the session is resumed (unless a
+			 * resume since did it already). */
+			if (k->sent_gen == gen)
+				k->sent_gen = 0;
 			client_broke_locked(c, gen, "lost the connection to bufbrokerd: %s",
 					    bbc_errstr((int)-n, eb, sizeof(eb)));
 			pthread_mutex_unlock(&c->mu);

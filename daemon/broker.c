@@ -2390,13 +2390,17 @@ int broker_session_resume(broker *b, uint64_t session, const unsigned char *secr
 	DL_FOREACH (b->conns, conn)
 		if (conn->session == session)
 			break;
-	if (!conn || !b->j)
+	bool secret_ok = conn && b->j && secret_len == BB_TOKEN_SIZE && secret &&
+			 secret_equal(secret, conn->secret, BB_TOKEN_SIZE);
+	if (!conn || !b->j || (!conn->absent && !secret_ok))
+		/* A live session of another client: the one asked for is not
+		 * here (a daemon that started without its state numbers its
+		 * sessions from 1 again). */
 		return fail(err, BB_ERR_NOT_FOUND,
 			    "session %" PRIu64 " is not known: released after the grace period, "
 			    "or the daemon started without its state",
 			    session);
-	if (secret_len != BB_TOKEN_SIZE || !secret ||
-	    !secret_equal(secret, conn->secret, BB_TOKEN_SIZE))
+	if (!secret_ok)
 		return fail(err, BB_ERR_DENIED,
 			    "the secret does not resume session %" PRIu64
 			    " (HelloReply.session_secret, 16 bytes)",

@@ -384,7 +384,11 @@ void broker_conn_secret(const broker_conn *conn, unsigned char out[BB_TOKEN_SIZE
  * connection it opened at accept and uses *out), or BB_ERR_NOT_FOUND
  * (unknown or already released), BB_ERR_DENIED (secret or uid), BB_ERR_EXISTS
  * (not absent: a live connection has it). *floor and *mask: the applied
- * request ids (broker_conn_note_request's record). */
+ * request ids (broker_conn_note_request's record). [helper B, refined:] a
+ * live session asked for with a secret that is not its own is
+ * BB_ERR_NOT_FOUND (a daemon started without its state numbers sessions
+ * from 1 again: the id is another client's, the session asked for is not
+ * here); EXISTS needs the secret. */
 int broker_session_resume(broker *b, uint64_t session, const unsigned char *secret,
 			  size_t secret_len, uint32_t uid, broker_conn **out, uint64_t *floor,
 			  uint64_t *mask, broker_error *err);

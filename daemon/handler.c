@@ -6,6 +6,7 @@
  */
 #include "handler.h"
 
+#include <fcntl.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
@@ -73,11 +74,14 @@ typedef struct req_ctx {
  * applied. 0: off. */
 static uint64_t crash_after, crash_count;
 static bool crash_armed;
+static const char *crash_once; /* BUFBROKERD_TEST_CRASH_ONCE: a file made when it fires */
 
 static void crash_point(void)
 {
 	if (__builtin_expect(crash_armed, 0)) {
 		log_warn("event=test_crash_point request=%llu", (unsigned long long)crash_count);
+		if (crash_once)
+			close(open(crash_once, O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
 		raise(SIGKILL);
 	}
 }
@@ -257,7 +261,8 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 		}
 		/* The empty connection opened at accept goes; the restored one,
 		 * with its holds, tokens and PENDING buffers, is this one's. */
-		broker_conn_close(c->h->b, c->bc);
+		if (c->bc)
+			broker_conn_close(c->h->b, c->bc);
 		c->bc = restored;
 		c->resumed = true;
 	}
@@ -290,7 +295,7 @@ static void do_hello(req_ctx *r, const Bufbroker__Hello *h)
 	hr.pid = c->pid;
 	hr.max_datagram = c->h->max_datagram;
 	unsigned char secret[BB_TOKEN_SIZE];
-	if (broker_keeps_state(c->h->b)) {
+	if (broker_keeps_state(c->h->b) && c->bc) {
 		/* The session and what resumes it after a restart. */
 		hr.session_id = broker_conn_session(c->bc);
 		broker_conn_secret(c->bc, secret);
@@ -1332,7 +1337,8 @@ handler *handler_new(uv_loop_t *loop, const snapshot_sources *src, park *park,
 	h->counters = counters;
 	h->max_datagram = max_datagram;
 	const char *crash = getenv("BUFBROKERD_TEST_CRASH_AFTER");
-	if (crash && crash[0]) {
+	crash_once = getenv("BUFBROKERD_TEST_CRASH_ONCE");
+	if (crash && crash[0] && !(crash_once && access(crash_once, F_OK) == 0)) {
 		crash_after = strtoull(crash, NULL, 10);
 		log_warn("event=test_crash_point_set after=%llu (BUFBROKERD_TEST_CRASH_AFTER: "
 			 "tests only)",

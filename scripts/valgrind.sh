@@ -26,7 +26,7 @@ case "$build" in
 /*) ;;
 *) build="$BB_ROOT/$build" ;;
 esac
-tests="${BB_VALGRIND_TESTS:-api admin cuda cuda_vmm vmm_wire badinput faults soak restart fakesd restart_chaos restart_torn}"
+tests="${BB_VALGRIND_TESTS:-api admin cuda cuda_vmm vmm_wire badinput faults soak restart fakesd restart_chaos restart_torn resume upgrade}"
 jobs="${BB_VALGRIND_JOBS:-2}"
 
 if ! command -v valgrind >/dev/null 2>&1; then

@@ -168,8 +168,8 @@ int bb_connect(const char *path, bb_client **out);
  * allowed. */
 void bb_disconnect(bb_client *c);
 
-/* Reconnecting across a daemon restart (0.2; docs/OPERATIONS.md, "Restarts
- * and upgrades"). When the daemon keeps its state (its HelloReply named a
+/* Reconnecting across a daemon restart (0.2; the operations guide,
+ * "Restarts and upgrades"). When the daemon keeps its state (its HelloReply named a
  * session), a client whose connection breaks reconnects on its own and
  * resumes its session: its counts, tokens, PENDING buffers it produces and
  * parked waits come back, every mapping stays valid, and a request that was
@@ -178,7 +178,12 @@ void bb_disconnect(bb_client *c);
  * BB_ERR_DISCONNECTED, as they do without reconnecting. A daemon that keeps
  * no state is never reconnected to. Defaults: on (BUFBROKER_RECONNECT=0 in
  * the environment at bb_connect turns it off), timeout 10 000 ms, backoff
- * from 10 ms doubling to 500 ms. */
+ * from 10 ms doubling to 500 ms. When the daemon refuses the session (it
+ * started without its state, or its grace period for the session ended),
+ * the connection is lost at once: BB_ERR_DISCONNECTED, and bb_last_error()
+ * names the refusal. Requests reach the daemon in the order of their ids
+ * (the wire protocol's "Session resume" rules), so a call may wait for
+ * another thread's send. */
 typedef struct bb_reconnect_opts {
 	int enabled;             /* 0: a broken connection stays broken */
 	uint32_t timeout_ms;     /* give up after this long (0: the default) */

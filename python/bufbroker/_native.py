@@ -47,6 +47,16 @@ class bb_alloc_opts(ctypes.Structure):
     ]
 
 
+class bb_reconnect_opts(ctypes.Structure):
+    _fields_ = [
+        ("enabled", ctypes.c_int),
+        ("timeout_ms", ctypes.c_uint32),
+        ("backoff_ms", ctypes.c_uint32),
+        ("max_backoff_ms", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32 * 4),
+    ]
+
+
 class bb_info(ctypes.Structure):
     _fields_ = [
         ("id", ctypes.c_uint64),
@@ -88,6 +98,8 @@ _P = ctypes.POINTER
 _PROTOTYPES: Dict[str, Tuple[Any, List[Any]]] = {
     "bb_connect": (ctypes.c_int, [ctypes.c_char_p, _P(_client_p)]),
     "bb_disconnect": (None, [_client_p]),
+    "bb_client_set_reconnect": (ctypes.c_int, [_client_p, _P(bb_reconnect_opts)]),
+    "bb_client_resumes": (ctypes.c_uint64, [_client_p]),
     "bb_alloc": (ctypes.c_int, [_client_p, _P(bb_alloc_opts), _P(_buf_p)]),
     "bb_open": (ctypes.c_int, [_client_p, ctypes.c_uint64, _P(_buf_p)]),
     "bb_open_name": (ctypes.c_int, [_client_p, ctypes.c_char_p, _P(_buf_p)]),

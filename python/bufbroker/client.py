@@ -119,6 +119,17 @@ def _uint(what: str, value: object, maximum: int) -> int:
     return value
 
 
+def _ms(what: str, seconds: Optional[float]) -> int:
+    """Seconds (None: the default, 0) as the library's milliseconds."""
+    if seconds is None:
+        return 0
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise _invalid(f"{what} must be a number of seconds, not {type(seconds).__name__}")
+    if not 0 < seconds <= 0xFFFFFFFF / 1000:
+        raise _invalid(f"{what} {seconds} is out of range (above 0, at most 4294967 s)")
+    return max(1, round(seconds * 1000))
+
+
 def _choice(what: str, value: object, table: Mapping[str, int]) -> int:
     if isinstance(value, str):
         try:
@@ -326,7 +337,7 @@ class Client:
     made by ``fork`` must not use its parent's Client: it makes its own.
     """
 
-    def __init__(self, socket: Optional[StrPath] = None) -> None:
+    def __init__(self, socket: Optional[StrPath] = None, *, reconnect: bool = True) -> None:
         path = None if socket is None else os.fsencode(socket)
         ptr = ctypes.c_void_p()
         _check(_n.lib().bb_connect(path, ctypes.byref(ptr)))
@@ -334,6 +345,42 @@ class Client:
         self._conn = _Connection(ptr.value)
         #: The socket path given, or None for the default.
         self.socket = socket
+        if not reconnect:
+            self.set_reconnect(enabled=False)
+
+    def set_reconnect(
+        self,
+        enabled: bool = True,
+        *,
+        timeout: Optional[float] = None,
+        backoff: Optional[float] = None,
+        max_backoff: Optional[float] = None,
+    ) -> None:
+        """How this client rides out a daemon restart (``bb_client_set_reconnect``).
+
+        When the daemon keeps its state across restarts, a broken connection
+        is reconnected and the session resumed on its own: buffers, counts,
+        mappings and waits carry on, and calls made meanwhile wait. It gives
+        up after ``timeout`` seconds (default 10) and then raises
+        :class:`Disconnected`, as a client of a daemon that keeps no state
+        does at once. ``backoff`` is the first pause between attempts
+        (default 0.01 s), doubling up to ``max_backoff`` (default 0.5 s).
+        ``enabled=False``, or ``BUFBROKER_RECONNECT=0`` in the environment
+        when the Client is made, turns it off. None: the default."""
+        opts = _n.bb_reconnect_opts()
+        opts.enabled = 1 if enabled else 0
+        opts.timeout_ms = _ms("timeout", timeout)
+        opts.backoff_ms = _ms("backoff", backoff)
+        opts.max_backoff_ms = _ms("max_backoff", max_backoff)
+        with self._conn.pinned() as c:
+            _check(_n.lib().bb_client_set_reconnect(c, ctypes.byref(opts)))
+
+    @property
+    def resumes(self) -> int:
+        """How many times this client resumed its session after a daemon
+        restart (``bb_client_resumes``)."""
+        with self._conn.pinned() as c:
+            return int(_n.lib().bb_client_resumes(c))
 
     def __enter__(self) -> "Client":
         return self

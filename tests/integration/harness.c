@@ -7,11 +7,13 @@
 #endif
 #include "harness.h"
 
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -1075,6 +1077,63 @@ bool bbt_totals_until_idle(bb_client *c, uint32_t conns, int timeout_ms, bbt_tot
 			return false;
 		bbt_sleep_ms(10);
 	}
+}
+
+/* ---- the metrics endpoint ------------------------------------------------ */
+
+int bbt_metrics_port(const bbt_daemon *d)
+{
+	static const char key[] = "event=metrics_listening address=127.0.0.1:";
+	const char *const needles[] = {key, NULL};
+	char line[512];
+	int port = 0;
+
+	cr_assert(bbt_log_wait_line(d, 0, 5000, needles), "no metrics_listening line in the log");
+	FILE *f = fopen(d->log, "r");
+	cr_assert_not_null(f, "%s: %s", d->log, strerror(errno));
+	while (fgets(line, sizeof(line), f))
+		if (strstr(line, key))
+			port = atoi(strstr(line, key) + strlen(key));
+	fclose(f);
+	cr_assert(port > 0 && port < 65536, "no port in the metrics_listening line");
+	return port;
+}
+
+long long bbt_pooled_memfds(int port)
+{
+	static const char get[] = "GET /metrics HTTP/1.0\r\n\r\n",
+			  name[] = "\nbufbroker_host_pooled_memfds ";
+	struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+	size_t len = 0, cap = 1 << 16;
+	char *text = malloc(cap + 1);
+	int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	cr_assert(text && s >= 0, "socket: %s", strerror(errno));
+	cr_assert_eq(connect(s, (struct sockaddr *)&a, sizeof(a)), 0, "connect to port %d: %s",
+		     port, strerror(errno));
+	cr_assert_eq(send(s, get, strlen(get), MSG_NOSIGNAL), (ssize_t)strlen(get));
+	for (;;) {
+		struct pollfd p = {.fd = s, .events = POLLIN};
+		cr_assert_eq(poll(&p, 1, bbt_ms(5000)), 1, "the metrics endpoint did not answer");
+		if (len == cap) {
+			cap *= 2;
+			text = realloc(text, cap + 1);
+			cr_assert_not_null(text);
+		}
+		ssize_t n = recv(s, text + len, cap - len, 0);
+		cr_assert_geq(n, 0, "reading /metrics: %s", strerror(errno));
+		if (n == 0)
+			break;
+		len += (size_t)n;
+	}
+	close(s);
+	text[len] = '\0';
+	const char *at = strstr(text, name);
+	cr_assert_not_null(at, "no bufbroker_host_pooled_memfds in /metrics");
+	long long pooled = strtoll(at + strlen(name), NULL, 10);
+	free(text);
+	return pooled;
 }
 
 /* ---- raw protocol peer ---------------------------------------------------- */

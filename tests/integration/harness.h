@@ -242,6 +242,17 @@ bool bbt_waits_until(bb_client *c, uint64_t want, int timeout_ms, uint64_t *last
  * answer. */
 bool bbt_totals_until_idle(bb_client *c, uint32_t conns, int timeout_ms, bbt_totals *last);
 
+/* ---- the metrics endpoint -------------------------------------------------- */
+
+/* The port of d's metrics endpoint (--metrics-listen 127.0.0.1:0), from
+ * its last metrics_listening line (the current process's, after
+ * restarts); asserts. */
+int bbt_metrics_port(const bbt_daemon *d);
+/* The memfds the daemon says its reuse pool keeps (open, empty, not
+ * buffers): bufbroker_host_pooled_memfds, scraped from its metrics
+ * endpoint on port; asserts. */
+long long bbt_pooled_memfds(int port);
+
 /* ---- raw protocol peer ---------------------------------------------------- */
 
 /* A SOCK_SEQPACKET connection to path: the fd, or -errno. */

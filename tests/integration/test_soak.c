@@ -823,66 +823,6 @@ static bool devices_until_empty(bb_client *c, int timeout_ms, char *why, size_t 
 	}
 }
 
-/* The port of d's metrics endpoint (--metrics-listen 127.0.0.1:0), from
- * its metrics_listening line; asserts. */
-static int metrics_port(const bbt_daemon *d)
-{
-	static const char key[] = "event=metrics_listening address=127.0.0.1:";
-	const char *const needles[] = {key, NULL};
-	char line[512];
-	int port = 0;
-
-	cr_assert(bbt_log_wait_line(d, 0, 5000, needles), "no metrics_listening line in the log");
-	FILE *f = fopen(d->log, "r");
-	cr_assert_not_null(f, "%s: %s", d->log, strerror(errno));
-	while (fgets(line, sizeof(line), f))
-		if (strstr(line, key))
-			port = atoi(strstr(line, key) + strlen(key));
-	fclose(f);
-	cr_assert(port > 0 && port < 65536, "no port in the metrics_listening line");
-	return port;
-}
-
-/* The memfds the daemon says its reuse pool keeps (open, empty, not
- * buffers): bufbroker_host_pooled_memfds, scraped from its metrics
- * endpoint on port; asserts. */
-static long long pooled_memfds(int port)
-{
-	static const char get[] = "GET /metrics HTTP/1.0\r\n\r\n",
-			  name[] = "\nbufbroker_host_pooled_memfds ";
-	struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-	size_t len = 0, cap = 1 << 16;
-	char *text = malloc(cap + 1);
-	int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-
-	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	cr_assert(text && s >= 0, "socket: %s", strerror(errno));
-	cr_assert_eq(connect(s, (struct sockaddr *)&a, sizeof(a)), 0, "connect to port %d: %s",
-		     port, strerror(errno));
-	cr_assert_eq(send(s, get, strlen(get), MSG_NOSIGNAL), (ssize_t)strlen(get));
-	for (;;) {
-		struct pollfd p = {.fd = s, .events = POLLIN};
-		cr_assert_eq(poll(&p, 1, bbt_ms(5000)), 1, "the metrics endpoint did not answer");
-		if (len == cap) {
-			cap *= 2;
-			text = realloc(text, cap + 1);
-			cr_assert_not_null(text);
-		}
-		ssize_t n = recv(s, text + len, cap - len, 0);
-		cr_assert_geq(n, 0, "reading /metrics: %s", strerror(errno));
-		if (n == 0)
-			break;
-		len += (size_t)n;
-	}
-	close(s);
-	text[len] = '\0';
-	const char *at = strstr(text, name);
-	cr_assert_not_null(at, "no bufbroker_host_pooled_memfds in /metrics");
-	long long pooled = strtoll(at + strlen(name), NULL, 10);
-	free(text);
-	return pooled;
-}
-
 /* Wait for the daemon to hold nothing but our connection; asserts. */
 static void until_empty(bb_client *c, uint64_t seed, const char *when)
 {
@@ -940,7 +880,7 @@ Test(soak, random_clients_killed_at_random_leave_the_daemon_as_they_found_it, .f
 #endif
 	bbt_daemon *d = bbt_start(args);
 	bb_client *c = bbt_connect(d);
-	int port = metrics_port(d);
+	int port = bbt_metrics_port(d);
 	struct board *bd =
 		mmap(NULL, sizeof(*bd), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	cr_assert(bd != MAP_FAILED, "mmap: %s", strerror(errno));
@@ -962,7 +902,7 @@ Test(soak, random_clients_killed_at_random_leave_the_daemon_as_they_found_it, .f
 			/* The fds first: the scrape's own connection is not
 			 * among them. */
 			fds0 = bbt_daemon_fds(d);
-			pooled0 = pooled_memfds(port);
+			pooled0 = bbt_pooled_memfds(port);
 			rss0 = bbt_daemon_rss_kb(d);
 			cr_assert(fds0 > 0 && rss0 > 0, "cannot read /proc/%d", (int)d->pid);
 		}
@@ -982,12 +922,12 @@ Test(soak, random_clients_killed_at_random_leave_the_daemon_as_they_found_it, .f
 	 * BBT_HOST_POOL_MAX memfds): compare what the pool does not explain,
 	 * by the daemon's own figure. */
 	int fds = bbt_daemon_fds(d);
-	long long pooled = pooled_memfds(port);
+	long long pooled = bbt_pooled_memfds(port);
 	for (int64_t until = bbt_now_ms() + bbt_ms(2000);
 	     fds - pooled != fds0 - pooled0 && bbt_now_ms() < until;) {
 		bbt_sleep_ms(20);
 		fds = bbt_daemon_fds(d);
-		pooled = pooled_memfds(port);
+		pooled = bbt_pooled_memfds(port);
 	}
 	cr_assert_eq(fds - pooled, fds0 - pooled0,
 		     "soak (seed %llu): the daemon has %d fds open, %lld of them pooled memfds; "
