@@ -95,7 +95,7 @@ static void usage(FILE *out)
 		"  --metrics-listen ADDRESS:PORT\n"
 		"                         serve Prometheus metrics over HTTP there, e.g.\n"
 		"                         127.0.0.1:9464 (default: off)\n"
-		"  --restart              keep the state journal and the buffers' fds so that\n"
+		"  --restart[=on|off]     keep the state journal and the buffers' fds so that\n"
 		"                         buffers survive a restart (systemd's fd store);\n"
 		"                         SIGUSR2 or 'bufbroker upgrade' then re-executes\n"
 		"                         the binary in place (bufbrokerd(8), UPGRADE)\n"
@@ -144,7 +144,7 @@ static const struct option options[] = {
 	{"max-cuda-vmm-allocations", required_argument, NULL, OPT_KEY},
 	{"no-cuda", no_argument, NULL, OPT_KEY},
 	{"metrics-listen", required_argument, NULL, OPT_KEY},
-	{"restart", no_argument, NULL, OPT_KEY},
+	{"restart", optional_argument, NULL, OPT_KEY},
 	{"restart-strict", no_argument, NULL, OPT_KEY},
 	{"restart-grace", required_argument, NULL, OPT_KEY},
 	{"config", required_argument, NULL, OPT_CONFIG},
