@@ -42,6 +42,19 @@
  * then up to 20 digits). */
 #define NAME_MAX_LEN 32
 
+/* What the names of the stored fds may take in all. systemd hands them back
+ * in one environment string, LISTEN_FDNAMES=<socket's name>:<name>:...,
+ * and the kernel refuses any single string over MAX_ARG_STRLEN (32 pages,
+ * 128 KiB) with E2BIG: a store whose names are longer could not start the
+ * daemon again at all. Room is left for "LISTEN_FDNAMES=", the socket
+ * unit's name (at most 255 bytes, as any FDNAME), two journals (the
+ * handover at a start) and a margin; each b<id> or a<id> costs its length
+ * and a separator. $BUFBROKERD_TEST_FDNAMES_MAX sets another bound (tests
+ * only). */
+#define RESTART_ENV_MAX (32u * 4096u)
+#define RESTART_NAMES_MAX \
+	(RESTART_ENV_MAX - sizeof("LISTEN_FDNAMES=") - 256 - 2 * NAME_MAX_LEN - 1024)
+
 /* One kept fd: a live buffer's memfd or a VMM allocation's fd, by id; or,
  * at the start, one that was passed to us. */
 typedef struct kept {
@@ -80,6 +93,8 @@ struct restart {
 	char (*removals)[NAME_MAX_LEN]; /* names to remove at the end of the turn */
 	size_t nremovals, capremovals;
 	bool warned_unprotected; /* the first failed add was logged */
+	bool warned_names;       /* the first add past names_max was logged */
+	size_t names_max;        /* RESTART_NAMES_MAX, or the test's bound */
 	restart_stats stats;
 };
 
@@ -215,12 +230,28 @@ static kept *kept_find(kept *table, uint64_t id)
  * an add that fails leaves the fd served but unprotected. */
 static void kept_store(restart *r, kept *k, const char *name)
 {
+	size_t cost = strlen(name) + 1; /* and a ':' in LISTEN_FDNAMES */
 	if (r->restoring) {
 		k->stored = r->store; /* the store has it under this name already */
+		if (k->stored)
+			r->stats.names_bytes += cost;
 		return;
 	}
 	if (!r->store)
 		return;
+	if (r->stats.names_bytes + cost > r->names_max) {
+		/* Stored, it would keep the daemon from starting again. */
+		r->stats.unprotected++;
+		if (!r->warned_names) {
+			r->warned_names = true;
+			log_warn("event=fdstore_names_full name=%s names_bytes=%" PRIu64
+				 " names_max=%zu note=\"served, but lost at a restart: "
+				 "LISTEN_FDNAMES would pass the kernel's 128 KiB bound; further "
+				 "buffers are counted, not logged\"",
+				 name, r->stats.names_bytes, r->names_max);
+		}
+		return;
+	}
 	/* Removals first: a freed memfd may come back from the pool as this
 	 * one, and a store that has the file already would not take it
 	 * again under the new name. */
@@ -228,6 +259,7 @@ static void kept_store(restart *r, kept *k, const char *name)
 	int rc = store_add(r, name, k->fd);
 	if (rc == 0) {
 		k->stored = true;
+		r->stats.names_bytes += cost;
 		return;
 	}
 	r->stats.unprotected++;
@@ -241,9 +273,10 @@ static void kept_store(restart *r, kept *k, const char *name)
 
 static void kept_forget(restart *r, kept **table, kept *k, const char *name)
 {
-	if (k->stored)
+	if (k->stored) {
 		store_remove(r, name);
-	else if (r->store && !r->restoring)
+		r->stats.names_bytes -= strlen(name) + 1;
+	} else if (r->store && !r->restoring)
 		r->stats.unprotected--;
 	HASH_DEL(*table, k);
 	free(k);
@@ -448,10 +481,14 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	r->notify_fd = -1;
 	r->stats.journal_fd = -1;
 	r->listen_fd = -1;
+	r->names_max = RESTART_NAMES_MAX;
+	const char *nm = getenv("BUFBROKERD_TEST_FDNAMES_MAX");
+	uint64_t v;
+	if (nm && !parse_decimal(nm, &v) && v < r->names_max)
+		r->names_max = (size_t)v;
 	if (take_passed(r, why, len) < 0)
 		return -1;
 	const char *fdstore = getenv("FDSTORE");
-	uint64_t v;
 	if (!r->cfg.store_max && fdstore && !parse_decimal(fdstore, &v))
 		r->cfg.store_max = v;
 	/* A store to talk to: removals of what was passed go to it even with

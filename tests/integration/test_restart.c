@@ -730,6 +730,59 @@ Test(restart, a_buffer_the_store_did_not_take_is_served_then_failed_at_a_restart
 	bb_disconnect(c1);
 }
 
+/* The names of the stored fds come back in one environment string
+ * (LISTEN_FDNAMES), which the kernel bounds: the daemon stores no more than
+ * fits (a small bound for the test, $BUFBROKERD_TEST_FDNAMES_MAX). */
+#define NAMES_MAX 40
+
+Test(restart, the_store_holds_no_more_names_than_listen_fdnames_can_pass)
+{
+	setenv("BUFBROKERD_TEST_FDNAMES_MAX", "40", 1);
+	fsd *f = fsd_start(NULL);
+	unsetenv("BUFBROKERD_TEST_FDNAMES_MAX"); /* the relaunch keeps its argv's env */
+	bb_client *c1 = bbt_connect(&f->d);
+	enum { N = 16 };
+	bb_buf *bufs[N];
+	int fit = 0, used = 0;
+	char nm[32];
+	for (int i = 0; i < N; i++) {
+		bufs[i] = alloc_host(c1, 4096, NULL);
+		map_fill(bufs[i], 4096, (uint32_t)i);
+		fsd_drain(f); /* the notify socket's queue may be short */
+		int cost = (int)strlen((name_of('b', bb_id(bufs[i]), nm), nm)) + 1;
+		if (fit == i && used + cost <= NAMES_MAX) {
+			used += cost;
+			fit++;
+		}
+	}
+	cr_assert(fit > 0 && fit < N, "%d of %d fit", fit, N);
+	restart_status st = status_of(c1);
+	cr_assert(store_until(f, "b", fit), "%d stored, %d fit", store_count(f, "b"), fit);
+	cr_assert_eq(st.unprotected_buffers, (uint64_t)(N - fit));
+	cr_assert(bbt_log_wait_line(&f->d, 0, bbt_ms(2000),
+				    (const char *const[]){"event=fdstore_names_full", NULL}));
+
+	setenv("BUFBROKERD_TEST_FDNAMES_MAX", "40", 1);
+	fsd_crash(f, NULL);
+	unsetenv("BUFBROKERD_TEST_FDNAMES_MAX");
+	bb_client *c2 = bbt_connect(&f->d);
+	for (int i = 0; i < N; i++) {
+		bb_info info;
+		stat_ok(c2, bb_id(bufs[i]), &info);
+		cr_assert_eq(info.state, i < fit ? BB_PENDING : BB_FAILED, "buffer %d: %s", i,
+			     info.error);
+	}
+	/* The restored names are counted again: no room for another. */
+	bb_buf *more = alloc_host(c2, 4096, NULL);
+	cr_assert_eq(status_of(c2).unprotected_buffers, 1);
+	cr_assert_eq(bbt_check_problems(c2), 0);
+	bb_unref(more);
+	bb_disconnect(c2);
+	for (int i = 0; i < N; i++)
+		bb_unref(bufs[i]);
+	bb_disconnect(c1);
+}
+
 /* ---- VMM CUDA buffers ------------------------------------------------------------- */
 
 #define VMM_BYTES (1u << 20)
@@ -748,6 +801,20 @@ static void device0_of(bb_client *c, uint64_t *reserved, uint64_t *allocations)
 	*reserved = resp->server_status->devices[0]->reserved_bytes;
 	*allocations = resp->server_status->devices[0]->vmm_allocations;
 	bbc_response_free(resp);
+}
+
+/* Device 0's VMM allocations once they are want (a release may be sent
+ * without waiting for its answer, and a free finishes off the loop). */
+static uint64_t allocations_until(bb_client *c, uint64_t want)
+{
+	uint64_t reserved, allocations;
+	int64_t end = bbt_now_ms() + bbt_ms(5000);
+	for (;;) {
+		device0_of(c, &reserved, &allocations);
+		if (allocations == want || bbt_now_ms() > end)
+			return allocations;
+		poll(NULL, 0, 10);
+	}
 }
 
 /* The fake driver in this process, device 0's primary context current. */
@@ -834,6 +901,7 @@ Test(restart, vmm_cuda_buffers_survive_a_sigkill_and_an_upgrade_mapped)
 	bb_cuda_vmm wd, we;
 	bb_unref(vmm_alloc_size(c1, 9u << 20, &wd));
 	cr_assert_gt(wd.allocation, wa.allocation);
+	cr_assert_eq(allocations_until(c1, 1), 1, "the dedicated allocation is not freed");
 
 	for (int round = 0; round < 2; round++) {
 		if (round == 0) {
