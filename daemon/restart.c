@@ -85,6 +85,8 @@ struct restart {
 	bool restoring;                 /* inside broker_restore: the fds are stored already */
 	kept *pbufs;                    /* passed b<id>, until adopted or closed */
 	kept *pallocs;                  /* passed a<id>, until adopted or closed */
+	size_t names_max;               /* RESTART_NAMES_MAX, or the test's bound */
+	bool warned_names;              /* the first add past names_max was logged */
 	passed_journal *journals;       /* passed journal-G, highest first */
 	size_t njournals;               /* entries of journals */
 	char (*others)[NAME_MAX_LEN];   /* passed fds of unknown names: removed */
@@ -93,8 +95,6 @@ struct restart {
 	char (*removals)[NAME_MAX_LEN]; /* names to remove at the end of the turn */
 	size_t nremovals, capremovals;
 	bool warned_unprotected; /* the first failed add was logged */
-	bool warned_names;       /* the first add past names_max was logged */
-	size_t names_max;        /* RESTART_NAMES_MAX, or the test's bound */
 	restart_stats stats;
 };
 
@@ -481,14 +481,10 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	r->notify_fd = -1;
 	r->stats.journal_fd = -1;
 	r->listen_fd = -1;
-	r->names_max = RESTART_NAMES_MAX;
-	const char *nm = getenv("BUFBROKERD_TEST_FDNAMES_MAX");
-	uint64_t v;
-	if (nm && !parse_decimal(nm, &v) && v < r->names_max)
-		r->names_max = (size_t)v;
 	if (take_passed(r, why, len) < 0)
 		return -1;
 	const char *fdstore = getenv("FDSTORE");
+	uint64_t v;
 	if (!r->cfg.store_max && fdstore && !parse_decimal(fdstore, &v))
 		r->cfg.store_max = v;
 	/* A store to talk to: removals of what was passed go to it even with
@@ -497,6 +493,11 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	r->notify = ns && ns[0];
 	if (r->notify)
 		r->notify_fd = notify_connect();
+	r->names_max = RESTART_NAMES_MAX;
+	const char *nm = getenv("BUFBROKERD_TEST_FDNAMES_MAX");
+	uint64_t nmax;
+	if (nm && !parse_decimal(nm, &nmax) && nmax < r->names_max)
+		r->names_max = (size_t)nmax;
 	if (!cfg->journal)
 		return 0;
 	r->generation = (r->njournals ? r->journals[0].generation : 0) + 1;
