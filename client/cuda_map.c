@@ -37,7 +37,12 @@
  * The cache counts the mapped handles using it and unmaps it when the last
  * one goes; the import's handle is released as soon as the mapping holds
  * the memory. The key is the daemon instance (bb_client.daemon) and the
- * allocation id, which one daemon run never reuses; never a pointer.
+ * allocation id, which one daemon run never reuses; never a pointer. A
+ * session resumed across a restart keeps its daemon number, and a daemon
+ * that keeps its state never gives an id again across restarts either
+ * (docs/RESTART.md, "VMM CUDA buffers at a restart"): a mapping made
+ * before the restart stays valid and serves later buffers of the same
+ * allocation.
  *
  * Devices are matched by UUID, never by ordinal: CUDA_VISIBLE_DEVICES may
  * number them differently here than in the daemon.

@@ -31,6 +31,17 @@ typedef struct backend_export {
 	uint64_t allocation_size;      /* CUDA: bytes of the allocation */
 } backend_export;
 
+/* Where a restored VMM CUDA buffer lies (adopt_carved). */
+typedef struct backend_carved {
+	uint64_t allocation;      /* the allocation's identity, kept */
+	uint64_t allocation_size; /* its bytes */
+	uint64_t offset;          /* the buffer's start in it */
+	uint64_t size;            /* the buffer's bytes */
+	int device;               /* ordinal */
+	uint32_t uid;             /* owner (the pool's key, with share) */
+	int share;                /* BB_SHARE_* */
+} backend_carved;
+
 typedef struct backend backend;
 
 /* Slow work a backend hands to the server (cuMemAlloc of a new slab,
@@ -124,6 +135,21 @@ struct backend {
 	 * caller's). NULL: memory of this kind cannot be kept. */
 	int (*adopt)(backend *be, int fd, uint64_t size, uint32_t uid, unsigned flags,
 		     backend_mem *out, char *err, size_t errlen);
+	/* Take over a VMM CUDA buffer kept across a restart (docs/RESTART.md):
+	 * c says where it lies in which allocation; fd is that allocation's
+	 * kept fd, or -1 once an earlier call for the same allocation took it.
+	 * The first call imports the allocation (never mapped) and counts it
+	 * like one the backend made; each call marks the buffer's range in
+	 * it. 0 and *out (fd, when given, is the backend's now), or
+	 * BB_ERR_INVALID with why (the fd does not import, the range is not
+	 * free, a limit leaves no room; fd stays the caller's). NULL: such
+	 * memory cannot be kept. */
+	int (*adopt_carved)(backend *be, int fd, const backend_carved *c, backend_mem *out,
+			    char *err, size_t errlen);
+	/* Allocation identities handed out from now on are above floor (a
+	 * restart: identities of earlier runs are never given again). May be
+	 * NULL. */
+	void (*allocation_floor)(backend *be, uint64_t floor);
 	/* Set by the server: run job off the loop thread. NULL: the backend
 	 * runs work and done inline (unit tests). */
 	void (*submit)(backend *be, backend_job *job);

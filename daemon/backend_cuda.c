@@ -960,6 +960,210 @@ static int cuda_export_allocation(backend *be, uint64_t allocation, backend_expo
 	return 0;
 }
 
+/* ---- a restart: VMM allocations kept by the fd store --------------------------- */
+
+/* Mark [off, off + len) of s live as x: it must lie inside one free extent,
+ * which keeps what is left of it on either side (the tail as a new free
+ * extent when both are left). false when it does not fit (nothing changed),
+ * or with *nomem when the tail's extent could not be had. */
+static bool carve_at(slab *s, uint64_t off, uint64_t len, extent *x, bool *nomem)
+{
+	extent *e;
+	DL_FOREACH (s->free, e) {
+		if (e->off <= off && len <= e->len && off - e->off <= e->len - len)
+			break;
+	}
+	if (!e)
+		return false;
+	uint64_t end = e->off + e->len;
+	x->slab = s;
+	x->off = off;
+	x->len = len;
+	x->prev = x->next = NULL;
+	if (off > e->off && off + len < end) {
+		extent *t = calloc(1, sizeof(*t));
+		if (!t) {
+			*nomem = true;
+			return false;
+		}
+		t->slab = s;
+		t->off = off + len;
+		t->len = end - t->off;
+		e->len = off - e->off;
+		DL_APPEND_ELEM2(s->extents, e, x, aprev, anext);
+		DL_APPEND_ELEM2(s->extents, x, t, aprev, anext);
+		DL_APPEND(s->free, t);
+	} else if (off > e->off) {
+		e->len = off - e->off; /* the head stays free */
+		DL_APPEND_ELEM2(s->extents, e, x, aprev, anext);
+	} else {
+		DL_PREPEND_ELEM2(s->extents, e, x, aprev, anext);
+		e->off += len;
+		e->len -= len;
+		if (e->len == 0) {
+			DL_DELETE2(s->extents, e, aprev, anext);
+			DL_DELETE(s->free, e);
+			free(e);
+		}
+	}
+	cache_remove(s->pool->dev, s);
+	s->live++;
+	return true;
+}
+
+/* Import the kept allocation c->allocation from fd into pool p as a slab
+ * with one free extent over it, counted as one the backend made. NULL
+ * with why. */
+static slab *slab_import(cuda_backend *cu, pool *p, int fd, const backend_carved *c, char *err,
+			 size_t errlen)
+{
+	cuda_dev *d = p->dev;
+	char eb[160], h1[32], h2[32];
+	uint64_t held = d->reserved - d->freeing;
+	if (c->allocation_size > d->limit || held > d->limit - c->allocation_size) {
+		snprintf(err, errlen,
+			 "device %d would hold %s with it; the limit is %s (--cuda-device-bytes)",
+			 d->ordinal, human(held + c->allocation_size, h1), human(d->limit, h2));
+		return NULL;
+	}
+	if (cu->vmm_allocations >= cu->cfg.vmm_allocations) {
+		snprintf(err, errlen,
+			 "the daemon holds %" PRIu64 " VMM CUDA allocations, the limit "
+			 "(--max-cuda-vmm-allocations)",
+			 cu->vmm_allocations);
+		return NULL;
+	}
+	if (!cu->api.MemImportFromShareableHandle) {
+		snprintf(err, errlen, "the CUDA driver has no cuMemImportFromShareableHandle");
+		return NULL;
+	}
+	slab *s = calloc(1, sizeof(*s));
+	extent *e = calloc(1, sizeof(*e));
+	if (!s || !e) {
+		free(s);
+		free(e);
+		snprintf(err, errlen, "daemon out of memory");
+		return NULL;
+	}
+	cu->api.CtxSetCurrent(d->ctx);
+	CUresult rc = cu->api.MemImportFromShareableHandle(
+		&s->mh, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	if (rc != CUDA_SUCCESS) {
+		snprintf(err, errlen, "cuMemImportFromShareableHandle of its fd failed: %s",
+			 bb_cuda_error(&cu->api, rc, eb, sizeof(eb)));
+		free(s);
+		free(e);
+		return NULL;
+	}
+	s->pool = p;
+	s->size = c->allocation_size;
+	s->fd = fd;
+	s->allocation = c->allocation;
+	s->dedicated = c->allocation_size > slab_bytes(cu, p);
+	e->slab = s;
+	e->len = s->size;
+	DL_APPEND2(s->extents, e, aprev, anext);
+	DL_APPEND(s->free, e);
+	DL_APPEND(p->slabs, s);
+	HASH_ADD(hh, cu->by_allocation, allocation, sizeof(s->allocation), s);
+	d->reserved += s->size;
+	vmm_count(cu, d, 1);
+	if (cu->next_allocation < s->allocation)
+		cu->next_allocation = s->allocation;
+	return s;
+}
+
+/* Forget a slab slab_import made that got no buffer: the fd stays the
+ * caller's. */
+static void slab_unimport(cuda_backend *cu, slab *s)
+{
+	cuda_dev *d = s->pool->dev;
+	DL_DELETE(s->pool->slabs, s);
+	HASH_DELETE(hh, cu->by_allocation, s);
+	slab_free_extents(s);
+	cu->api.CtxSetCurrent(d->ctx);
+	cu->api.MemRelease(s->mh);
+	d->reserved -= s->size;
+	vmm_count(cu, d, -1);
+	free(s);
+}
+
+static int cuda_adopt_carved(backend *be, int fd, const backend_carved *c, backend_mem *out,
+			     char *err, size_t errlen)
+{
+	cuda_backend *cu = be->ctx;
+	if (c->device < 0 || c->device >= cu->ndev) {
+		snprintf(err, errlen, "device %d is not a CUDA device of this daemon", c->device);
+		return BB_ERR_INVALID;
+	}
+	if (!cu->devs[c->device].vmm) {
+		snprintf(err, errlen, "VMM CUDA memory cannot be had on device %d now: %s",
+			 c->device, cu->devs[c->device].vmm_why);
+		return BB_ERR_INVALID;
+	}
+	pool *p = pool_get(cu, c->device, c->uid, c->share, BB_CUDA_HANDLE_VMM);
+	extent *x = calloc(1, sizeof(*x));
+	if (!p || !x) {
+		free(x);
+		snprintf(err, errlen, "daemon out of memory");
+		return BB_ERR_NO_MEMORY;
+	}
+	slab *s;
+	HASH_FIND(hh, cu->by_allocation, &c->allocation, sizeof(c->allocation), s);
+	bool made = false;
+	if (s && (s->pool != p || s->size != c->allocation_size)) {
+		snprintf(err, errlen,
+			 "VMM allocation %" PRIu64
+			 " is restored with another owner, device or size",
+			 c->allocation);
+		free(x);
+		return BB_ERR_INVALID;
+	}
+	uint64_t len = align_up(c->size, BACKEND_CUDA_ALIGN);
+	if (!s) {
+		if (fd < 0) {
+			snprintf(err, errlen, "VMM allocation %" PRIu64 " was not kept",
+				 c->allocation);
+			free(x);
+			return BB_ERR_INVALID;
+		}
+		if (!(s = slab_import(cu, p, fd, c, err, errlen))) {
+			free(x);
+			return BB_ERR_INVALID;
+		}
+		made = true;
+	}
+	if (s->dedicated)
+		len = s->size; /* its one extent covers it (cuda_alloc) */
+	bool nomem = false;
+	if (c->offset % BACKEND_CUDA_ALIGN || len < c->size ||
+	    !carve_at(s, c->offset, len, x, &nomem)) {
+		if (nomem)
+			snprintf(err, errlen, "daemon out of memory");
+		else
+			snprintf(err, errlen,
+				 "bytes %" PRIu64 "-%" PRIu64 " of VMM allocation %" PRIu64
+				 " are not free to restore",
+				 c->offset, c->offset + len, c->allocation);
+		free(x);
+		if (made)
+			slab_unimport(cu, s);
+		return nomem ? BB_ERR_NO_MEMORY : BB_ERR_INVALID;
+	}
+	p->dev->used += c->size;
+	out->fd = -1;
+	out->size = c->size;
+	out->priv = x;
+	return 0;
+}
+
+static void cuda_allocation_floor(backend *be, uint64_t floor)
+{
+	cuda_backend *cu = be->ctx;
+	if (cu->next_allocation < floor)
+		cu->next_allocation = floor;
+}
+
 static int cuda_devices(backend *be, backend_device *out, int max)
 {
 	cuda_backend *cu = be->ctx;
@@ -1327,6 +1531,8 @@ backend *backend_cuda_new(const backend_cuda_config *cfg, char *why, size_t whyl
 	cu->be.export_mem = cuda_export;
 	cu->be.fd_allocation = cuda_fd_allocation;
 	cu->be.export_allocation = cuda_export_allocation;
+	cu->be.adopt_carved = cuda_adopt_carved;
+	cu->be.allocation_floor = cuda_allocation_floor;
 	cu->be.destroy = cuda_destroy;
 	cu->be.devices = cuda_devices;
 	cu->be.usage = cuda_usage;

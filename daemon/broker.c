@@ -407,6 +407,7 @@ static void jput_buf(broker *b, broker_buf *buf)
 		if (buf->be->export_mem(buf->be, &buf->mem, &ex, msg, sizeof(msg)) == 0) {
 			r.allocation = ex.allocation;
 			r.offset = ex.offset;
+			r.allocation_size = ex.allocation_size;
 		}
 	}
 	if (buf->name)

@@ -410,6 +410,7 @@ int journal_put_buffer(journal *j, uint32_t *slot, const journal_buffer *b)
 	r.producer = b->producer;
 	r.allocation = b->allocation;
 	r.offset = b->offset;
+	r.allocation_size = b->allocation_size;
 	r.kind = b->kind;
 	r.device = b->device;
 	r.cuda_handle = b->cuda_handle;
@@ -840,6 +841,16 @@ int journal_check(const journal_state *s, char *report, size_t len)
 			problem(&r, "buffer %llu: share %u", (unsigned long long)b->id, b->share);
 		if (!b->size)
 			problem(&r, "buffer %llu: size 0", (unsigned long long)b->id);
+		if (b->cuda_handle == BB_CUDA_HANDLE_VMM && b->allocation &&
+		    !(b->flags & JOURNAL_BUF_LOST) &&
+		    (b->offset > b->allocation_size || b->size > b->allocation_size - b->offset))
+			problem(&r,
+				"buffer %llu: bytes %llu-%llu lie outside VMM allocation %llu of "
+				"%llu bytes",
+				(unsigned long long)b->id, (unsigned long long)b->offset,
+				(unsigned long long)(b->offset + b->size),
+				(unsigned long long)b->allocation,
+				(unsigned long long)b->allocation_size);
 		if (b->producer && !has_session(s, b->producer))
 			problem(&r, "buffer %llu: producer session %llu is unknown",
 				(unsigned long long)b->id, (unsigned long long)b->producer);

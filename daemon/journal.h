@@ -47,15 +47,18 @@
 /* A buffer. Its references are not here: they are the sum of the holds and
  * tokens that name it, so a retain writes one hold and nothing else. */
 typedef struct journal_buffer {
-	uint64_t id;          /* never reused (journal_ids) */
-	uint64_t size;        /* bytes */
-	uint64_t producer;    /* the session that allocated it; 0 once it has none */
-	uint64_t allocation;  /* CUDA: the slab or allocation it is carved from; 0 host */
-	uint64_t offset;      /* CUDA: its offset in that allocation */
-	uint32_t kind;        /* bb_kind */
-	int32_t device;       /* CUDA device ordinal; -1 host */
-	uint32_t cuda_handle; /* bb_cuda_handle; 0 host */
-	uint32_t state;       /* bb_state */
+	uint64_t id;              /* never reused (journal_ids) */
+	uint64_t size;            /* bytes */
+	uint64_t producer;        /* the session that allocated it; 0 once it has none */
+	uint64_t allocation;      /* CUDA: the slab or allocation it is carved from; 0 host */
+	uint64_t offset;          /* CUDA: its offset in that allocation */
+	uint64_t allocation_size; /* VMM CUDA: bytes of that allocation (a restart
+				   * imports it again: the driver's fd does not
+				   * say); 0 otherwise */
+	uint32_t kind;            /* bb_kind */
+	int32_t device;           /* CUDA device ordinal; -1 host */
+	uint32_t cuda_handle;     /* bb_cuda_handle; 0 host */
+	uint32_t state;           /* bb_state */
 	uint32_t owner_uid;
 	uint32_t owner_gid;
 	uint32_t share;         /* BB_SHARE_* */

@@ -34,9 +34,26 @@
 	"process; use VMM buffers (BB_CUDA_HANDLE_VMM) where restarts matter"
 #define RESTART_MISSING_WHY "its memory was not kept across the restart"
 
+/* VMM allocation identities of journal generation G start above
+ * (G - 1) << this: 2^40 allocations per daemon run. */
+#define RESTART_ALLOCATION_SHIFT 40
+
 /* The longest name this daemon gives a stored fd ("journal-" or a letter,
  * then up to 20 digits). */
 #define NAME_MAX_LEN 32
+
+/* What the names of the stored fds may take in all. systemd hands them back
+ * in one environment string, LISTEN_FDNAMES=<socket's name>:<name>:...,
+ * and the kernel refuses any single string over MAX_ARG_STRLEN (32 pages,
+ * 128 KiB) with E2BIG: a store whose names are longer could not start the
+ * daemon again at all. Room is left for "LISTEN_FDNAMES=", the socket
+ * unit's name (at most 255 bytes, as any FDNAME), two journals (the
+ * handover at a start) and a margin; each b<id> or a<id> costs its length
+ * and a separator. $BUFBROKERD_TEST_FDNAMES_MAX sets another bound (tests
+ * only). */
+#define RESTART_ENV_MAX (32u * 4096u)
+#define RESTART_NAMES_MAX \
+	(RESTART_ENV_MAX - sizeof("LISTEN_FDNAMES=") - 256 - 2 * NAME_MAX_LEN - 1024)
 
 /* One kept fd: a live buffer's memfd or a VMM allocation's fd, by id; or,
  * at the start, one that was passed to us. */
@@ -67,6 +84,9 @@ struct restart {
 	backend *cuda;                  /* to get an allocation's fd */
 	bool restoring;                 /* inside broker_restore: the fds are stored already */
 	kept *pbufs;                    /* passed b<id>, until adopted or closed */
+	kept *pallocs;                  /* passed a<id>, until adopted or closed */
+	size_t names_max;               /* RESTART_NAMES_MAX, or the test's bound */
+	bool warned_names;              /* the first add past names_max was logged */
 	passed_journal *journals;       /* passed journal-G, highest first */
 	size_t njournals;               /* entries of journals */
 	char (*others)[NAME_MAX_LEN];   /* passed fds of unknown names: removed */
@@ -210,12 +230,28 @@ static kept *kept_find(kept *table, uint64_t id)
  * an add that fails leaves the fd served but unprotected. */
 static void kept_store(restart *r, kept *k, const char *name)
 {
+	size_t cost = strlen(name) + 1; /* and a ':' in LISTEN_FDNAMES */
 	if (r->restoring) {
 		k->stored = r->store; /* the store has it under this name already */
+		if (k->stored)
+			r->stats.names_bytes += cost;
 		return;
 	}
 	if (!r->store)
 		return;
+	if (r->stats.names_bytes + cost > r->names_max) {
+		/* Stored, it would keep the daemon from starting again. */
+		r->stats.unprotected++;
+		if (!r->warned_names) {
+			r->warned_names = true;
+			log_warn("event=fdstore_names_full name=%s names_bytes=%" PRIu64
+				 " names_max=%zu note=\"served, but lost at a restart: "
+				 "LISTEN_FDNAMES would pass the kernel's 128 KiB bound; further "
+				 "buffers are counted, not logged\"",
+				 name, r->stats.names_bytes, r->names_max);
+		}
+		return;
+	}
 	/* Removals first: a freed memfd may come back from the pool as this
 	 * one, and a store that has the file already would not take it
 	 * again under the new name. */
@@ -223,6 +259,7 @@ static void kept_store(restart *r, kept *k, const char *name)
 	int rc = store_add(r, name, k->fd);
 	if (rc == 0) {
 		k->stored = true;
+		r->stats.names_bytes += cost;
 		return;
 	}
 	r->stats.unprotected++;
@@ -236,9 +273,10 @@ static void kept_store(restart *r, kept *k, const char *name)
 
 static void kept_forget(restart *r, kept **table, kept *k, const char *name)
 {
-	if (k->stored)
+	if (k->stored) {
 		store_remove(r, name);
-	else if (r->store && !r->restoring)
+		r->stats.names_bytes -= strlen(name) + 1;
+	} else if (r->store && !r->restoring)
 		r->stats.unprotected--;
 	HASH_DEL(*table, k);
 	free(k);
@@ -409,9 +447,12 @@ static int take_passed(restart *r, char *why, size_t len)
 		} else if (type == RESTART_NAME_BUFFER && !kept_find(r->pbufs, id) &&
 			   kept_add(&r->pbufs, id, fd)) {
 			/* one fd per name: a second b<id> is an orphan */
+		} else if (type == RESTART_NAME_ALLOCATION && !kept_find(r->pallocs, id) &&
+			   kept_add(&r->pallocs, id, fd)) {
+			/* likewise a second a<id> */
 		} else {
-			/* An allocation (not restored yet), a duplicate, or a name
-			 * this daemon does not make: removed and closed at the start. */
+			/* A duplicate, or a name this daemon does not make:
+			 * removed and closed at the start. */
 			snprintf(r->others[r->nothers], NAME_MAX_LEN, "%s", name ? name : "");
 			r->other_fds[r->nothers++] = fd;
 		}
@@ -452,6 +493,11 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	r->notify = ns && ns[0];
 	if (r->notify)
 		r->notify_fd = notify_connect();
+	r->names_max = RESTART_NAMES_MAX;
+	const char *nm = getenv("BUFBROKERD_TEST_FDNAMES_MAX");
+	uint64_t nmax;
+	if (nm && !parse_decimal(nm, &nmax) && nmax < r->names_max)
+		r->names_max = (size_t)nmax;
 	if (!cfg->journal)
 		return 0;
 	r->generation = (r->njournals ? r->journals[0].generation : 0) + 1;
@@ -465,6 +511,42 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	return 0;
 }
 
+/* The memory of a restored VMM CUDA buffer: its allocation's kept fd
+ * (a<id>) imported by the backend at the first buffer of it, the buffer's
+ * range marked in it. */
+static int restore_carved(restart *r, backend *be, const journal_buffer *rec, backend_mem *out,
+			  char *err, size_t len)
+{
+	kept *p = rec->allocation ? kept_find(r->pallocs, rec->allocation) : NULL;
+	if (!p || !be || !be->adopt_carved) {
+		snprintf(err, len, "%s", RESTART_MISSING_WHY);
+		r->stats.failed_missing++;
+		return BROKER_RESTORE_LOST;
+	}
+	backend_carved c = {
+		.allocation = rec->allocation,
+		.allocation_size = rec->allocation_size,
+		.offset = rec->offset,
+		.size = rec->size,
+		.device = rec->device,
+		.uid = rec->owner_uid,
+		.share = (int)rec->share,
+	};
+	char msg[200] = "";
+	int rc = be->adopt_carved(be, p->fd, &c, out, msg, sizeof(msg));
+	if (rc == BB_ERR_INVALID) {
+		snprintf(err, len, "%s (%s)", RESTART_MISSING_WHY, msg);
+		r->stats.failed_missing++;
+		return BROKER_RESTORE_LOST;
+	}
+	if (rc) {
+		snprintf(err, len, "%s", msg);
+		return rc;
+	}
+	p->fd = -1; /* the backend's now (or already) */
+	return 0;
+}
+
 /* The memory of a restored buffer: its kept fd adopted by the backend. */
 static int restore_mem(void *ctx, backend *be, const journal_buffer *rec, backend_mem *out,
 		       char *err, size_t len)
@@ -475,6 +557,8 @@ static int restore_mem(void *ctx, backend *be, const journal_buffer *rec, backen
 		r->stats.failed_legacy++;
 		return BROKER_RESTORE_LOST;
 	}
+	if (rec->kind == BB_CUDA)
+		return restore_carved(r, be, rec, out, err, len);
 	kept *p = rec->kind == BB_HOST ? kept_find(r->pbufs, rec->id) : NULL;
 	if (!p || p->fd < 0 || !be || !be->adopt) {
 		snprintf(err, len, "%s", RESTART_MISSING_WHY);
@@ -514,6 +598,17 @@ static void drop_passed(restart *r, bool journals)
 		HASH_DEL(r->pbufs, k);
 		free(k);
 	}
+	HASH_ITER (hh, r->pallocs, k, tmp) {
+		/* Adopted: in the store under its name still (restart_keep). */
+		if (k->fd >= 0) {
+			snprintf(name, sizeof(name), "a%" PRIu64, k->id);
+			store_remove_now(r, name);
+			close(k->fd);
+			r->stats.orphans_closed++;
+		}
+		HASH_DEL(r->pallocs, k);
+		free(k);
+	}
 	for (size_t i = 0; i < r->nothers; i++) {
 		if (r->others[i][0])
 			store_remove_now(r, r->others[i]);
@@ -545,6 +640,11 @@ int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *list
 	*listen_fd = r->listen_fd;
 	r->listen_fd = -1; /* the caller's */
 	uint64_t t0 = mono_us();
+	/* Allocation identities of earlier runs are never given again: a
+	 * client that resumed keys its mappings by them (client/cuda_map.c).
+	 * Generation G hands out identities above (G - 1) << 40. */
+	if (r->j && cuda && cuda->allocation_floor)
+		cuda->allocation_floor(cuda, (r->generation - 1) << RESTART_ALLOCATION_SHIFT);
 	if (!r->j) {
 		/* Journal off: nothing to rebuild from, nothing to keep. */
 		drop_passed(r, true);
@@ -568,6 +668,8 @@ int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *list
 			 r->journals[i].generation, err.msg);
 		bool adopted = false;
 		for (kept *k = r->pbufs; k; k = k->hh.next)
+			adopted |= k->fd < 0;
+		for (kept *k = r->pallocs; k; k = k->hh.next)
 			adopted |= k->fd < 0;
 		if (adopted)
 			break;
@@ -629,6 +731,12 @@ void restart_free(restart *r)
 		if (k->fd >= 0)
 			close(k->fd);
 		HASH_DEL(r->pbufs, k);
+		free(k);
+	}
+	HASH_ITER (hh, r->pallocs, k, tmp) {
+		if (k->fd >= 0)
+			close(k->fd);
+		HASH_DEL(r->pallocs, k);
 		free(k);
 	}
 	for (size_t i = 0; i < r->njournals; i++)

@@ -45,6 +45,9 @@ typedef struct restart_stats {
 	uint64_t orphans_closed;   /* stored fds no buffer named */
 	uint64_t unprotected;      /* live buffers whose fd could not be stored */
 	uint64_t store_errors;     /* FDSTORE sends that failed */
+	uint64_t names_bytes;      /* the stored buffers' and allocations' names,
+				    * with a separator each: what they add to
+				    * LISTEN_FDNAMES (bounded: docs/RESTART.md) */
 	uint64_t start_us;         /* the restore's duration */
 	bool refused;              /* a kept state was refused: started empty */
 	bool protected_by_store;   /* the journal is in the fd store */

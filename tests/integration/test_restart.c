@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "client_internal.h"
+#include "cuda_api.h"
 #include "harness.h"
 
 #define STORE_MAX 4096
@@ -727,4 +728,269 @@ Test(restart, a_buffer_the_store_did_not_take_is_served_then_failed_at_a_restart
 		bb_unref(bufs[i]);
 	free(bufs);
 	bb_disconnect(c1);
+}
+
+/* The names of the stored fds come back in one environment string
+ * (LISTEN_FDNAMES), which the kernel bounds: the daemon stores no more than
+ * fits (a small bound for the test, $BUFBROKERD_TEST_FDNAMES_MAX). */
+#define NAMES_MAX 40
+
+Test(restart, the_store_holds_no_more_names_than_listen_fdnames_can_pass)
+{
+	setenv("BUFBROKERD_TEST_FDNAMES_MAX", "40", 1);
+	fsd *f = fsd_start(NULL);
+	unsetenv("BUFBROKERD_TEST_FDNAMES_MAX"); /* the relaunch keeps its argv's env */
+	bb_client *c1 = bbt_connect(&f->d);
+	enum { N = 16 };
+	bb_buf *bufs[N];
+	int fit = 0, used = 0;
+	char nm[32];
+	for (int i = 0; i < N; i++) {
+		bufs[i] = alloc_host(c1, 4096, NULL);
+		map_fill(bufs[i], 4096, (uint32_t)i);
+		fsd_drain(f); /* the notify socket's queue may be short */
+		int cost = (int)strlen((name_of('b', bb_id(bufs[i]), nm), nm)) + 1;
+		if (fit == i && used + cost <= NAMES_MAX) {
+			used += cost;
+			fit++;
+		}
+	}
+	cr_assert(fit > 0 && fit < N, "%d of %d fit", fit, N);
+	restart_status st = status_of(c1);
+	cr_assert(store_until(f, "b", fit), "%d stored, %d fit", store_count(f, "b"), fit);
+	cr_assert_eq(st.unprotected_buffers, (uint64_t)(N - fit));
+	cr_assert(bbt_log_wait_line(&f->d, 0, bbt_ms(2000),
+				    (const char *const[]){"event=fdstore_names_full", NULL}));
+
+	setenv("BUFBROKERD_TEST_FDNAMES_MAX", "40", 1);
+	fsd_crash(f, NULL);
+	unsetenv("BUFBROKERD_TEST_FDNAMES_MAX");
+	bb_client *c2 = bbt_connect(&f->d);
+	for (int i = 0; i < N; i++) {
+		bb_info info;
+		stat_ok(c2, bb_id(bufs[i]), &info);
+		cr_assert_eq(info.state, i < fit ? BB_PENDING : BB_FAILED, "buffer %d: %s", i,
+			     info.error);
+	}
+	/* The restored names are counted again: no room for another. */
+	bb_buf *more = alloc_host(c2, 4096, NULL);
+	cr_assert_eq(status_of(c2).unprotected_buffers, 1);
+	cr_assert_eq(bbt_check_problems(c2), 0);
+	bb_unref(more);
+	bb_disconnect(c2);
+	for (int i = 0; i < N; i++)
+		bb_unref(bufs[i]);
+	bb_disconnect(c1);
+}
+
+/* ---- VMM CUDA buffers ------------------------------------------------------------- */
+
+#define VMM_BYTES (1u << 20)
+
+/* Device 0's books as the daemon reports them. */
+static void device0_of(bb_client *c, uint64_t *reserved, uint64_t *allocations)
+{
+	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
+	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
+	Bufbroker__Response *resp = NULL;
+	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
+	req.server_status = &ss;
+	cr_assert_eq(bbc_call(c, &req, -1, &resp, NULL), 0);
+	cr_assert(resp->status && resp->status->code == 0 && resp->server_status);
+	cr_assert_geq(resp->server_status->n_devices, 1);
+	*reserved = resp->server_status->devices[0]->reserved_bytes;
+	*allocations = resp->server_status->devices[0]->vmm_allocations;
+	bbc_response_free(resp);
+}
+
+/* Device 0's VMM allocations once they are want (a release may be sent
+ * without waiting for its answer, and a free finishes off the loop). */
+static uint64_t allocations_until(bb_client *c, uint64_t want)
+{
+	uint64_t reserved, allocations;
+	int64_t end = bbt_now_ms() + bbt_ms(5000);
+	for (;;) {
+		device0_of(c, &reserved, &allocations);
+		if (allocations == want || bbt_now_ms() > end)
+			return allocations;
+		poll(NULL, 0, 10);
+	}
+}
+
+/* The fake driver in this process, device 0's primary context current. */
+static void vmm_driver(bb_cuda *api)
+{
+	char err[256];
+	CUdevice dev;
+	CUcontext ctx;
+	cr_assert_eq(bb_cuda_load(api, err, sizeof(err)), 0, "%s", err);
+	cr_assert(api->MemcpyHtoD && api->MemcpyDtoH && api->MemGetInfo);
+	cr_assert_eq(api->DeviceGet(&dev, 0), CUDA_SUCCESS);
+	cr_assert_eq(api->DevicePrimaryCtxRetain(&ctx, dev), CUDA_SUCCESS);
+	cr_assert_eq(api->CtxSetCurrent(ctx), CUDA_SUCCESS);
+}
+
+static void vmm_write(bb_cuda *api, void *p, uint32_t seed)
+{
+	static unsigned char h[VMM_BYTES];
+	bbt_fill(h, VMM_BYTES, seed);
+	cr_assert_eq(api->MemcpyHtoD((CUdeviceptr)(uintptr_t)p, h, VMM_BYTES), CUDA_SUCCESS);
+}
+
+static bool vmm_holds(bb_cuda *api, void *p, uint32_t seed)
+{
+	static unsigned char h[VMM_BYTES];
+	memset(h, 0, sizeof(h));
+	return api->MemcpyDtoH(h, (CUdeviceptr)(uintptr_t)p, VMM_BYTES) == CUDA_SUCCESS &&
+	       bbt_check(h, VMM_BYTES, seed);
+}
+
+static bb_buf *vmm_alloc_size(bb_client *c, size_t size, bb_cuda_vmm *where)
+{
+	bb_alloc_opts o = {.size = size, .kind = BB_CUDA, .share = BB_SHARE_ANY};
+	bb_buf *b = NULL;
+	cr_assert_eq(bb_alloc_cuda(c, &o, BB_CUDA_HANDLE_VMM, &b), 0, "%s", bb_last_error());
+	cr_assert_eq(bb_cuda_vmm_of(b, where), 0, "%s", bb_last_error());
+	close(where->fd);
+	return b;
+}
+
+static bb_buf *vmm_alloc(bb_client *c, bb_cuda_vmm *where)
+{
+	return vmm_alloc_size(c, VMM_BYTES, where);
+}
+
+/* A's contents, written through its mapping, and the mapping itself live
+ * through a SIGKILL and an upgrade; the allocation comes back under its
+ * identity (a<id> in the store again), new buffers are carved around A in
+ * it, an allocation identity given before a restart is never given again
+ * (clients key their mappings by it), and releasing everything frees it. */
+Test(restart, vmm_cuda_buffers_survive_a_sigkill_and_an_upgrade_mapped)
+{
+	const char *lib = getenv("BB_FAKECUDA");
+	cr_assert(lib && lib[0], "BB_FAKECUDA must name the built libfakecuda.so");
+	char ns[64], nm[32];
+	snprintf(ns, sizeof(ns), "bbt-restart-vmm-%d", (int)getpid());
+	setenv("BUFBROKER_CUDA_LIBRARY", lib, 1);
+	setenv("FAKECUDA_NAMESPACE", ns, 1);
+	setenv("FAKECUDA_DEVICES", "1", 1);
+	setenv("FAKECUDA_MEMORY", "256M", 1);
+	setenv("FAKECUDA_VMM_FD", "1", 1);
+	unsetenv("CUDA_VISIBLE_DEVICES");
+	g_fsd.fake_cuda = true;
+	fsd *f = fsd_start((const char *const[]){"--cuda-handle", "vmm", "--cuda-slab-bytes", "8M",
+						 "--cuda-cache-bytes", "0", "--restart-grace",
+						 "600000", NULL});
+	bb_cuda api;
+	vmm_driver(&api);
+	size_t free0 = 0, total = 0;
+	cr_assert_eq(api.MemGetInfo(&free0, &total), CUDA_SUCCESS);
+
+	bb_client *c1 = bbt_connect(&f->d);
+	bb_cuda_vmm wa, wb, wc;
+	bb_buf *a = vmm_alloc(c1, &wa);
+	void *pa = NULL;
+	cr_assert_eq(bb_map(a, &pa), 0, "%s", bb_last_error());
+	vmm_write(&api, pa, 41);
+	cr_assert_eq(bb_set_ready(a), 0);
+	name_of('a', wa.allocation, nm);
+	cr_assert(store_until(f, "a", 1) && store_find(f, nm) >= 0, "%s is not in the store", nm);
+	cr_assert_eq(store_count(f, "b"), 0, "a CUDA buffer has no b<id>");
+	/* A dedicated allocation, freed before the crash: its identity was
+	 * the last one given. */
+	bb_cuda_vmm wd, we;
+	bb_unref(vmm_alloc_size(c1, 9u << 20, &wd));
+	cr_assert_gt(wd.allocation, wa.allocation);
+	cr_assert_eq(allocations_until(c1, 1), 1, "the dedicated allocation is not freed");
+
+	for (int round = 0; round < 2; round++) {
+		if (round == 0) {
+			fsd_crash(f, NULL);
+		} else {
+			size_t from = bbt_log_size(&f->d);
+			cr_assert_eq(kill(f->d.pid, SIGUSR2), 0);
+			static const char *const upgraded[] = {"event=upgraded", NULL};
+			static const char *const listening[] = {"event=listening", NULL};
+			cr_assert(bbt_log_wait_line(&f->d, from, 20000, upgraded) &&
+					  bbt_log_wait_line(&f->d, from, 20000, listening),
+				  "the new image did not start");
+			fsd_drain(f);
+		}
+		cr_assert(vmm_holds(&api, pa, 41), "round %d: A's mapping lost its bytes", round);
+		bb_info info;
+		stat_ok(c1, bb_id(a), &info); /* c1 resumes its session */
+		cr_assert_eq(info.state, BB_READY, "round %d: %s", round, info.error);
+		cr_assert_eq(bb_client_resumes(c1), (uint64_t)round + 1);
+		/* The dedicated allocation's removal may come after the Release's
+		 * answer (end of the loop turn): an orphan the start removes. */
+		cr_assert(store_until(f, "a", 1), "round %d: %d a<id> stored", round,
+			  store_count(f, "a"));
+		cr_assert_geq(store_find(f, nm), 0, "round %d: %s left the store", round, nm);
+		uint64_t reserved, allocations;
+		device0_of(c1, &reserved, &allocations);
+		cr_assert_eq(allocations, 1, "round %d: the slab is counted", round);
+		cr_assert_eq(reserved, 8u << 20, "round %d: reserved %llu", round,
+			     (unsigned long long)reserved);
+		cr_assert_eq(bbt_check_problems(c1), 0, "round %d", round);
+	}
+
+	bb_buf *e = vmm_alloc_size(c1, 9u << 20, &we);
+	cr_assert_gt(we.allocation, wd.allocation, "allocation %llu is given again",
+		     (unsigned long long)we.allocation);
+	bb_unref(e);
+	/* A new buffer of the same slab gets a range beside A's, and maps
+	 * through the mapping A's allocation already has here. */
+	bb_buf *b = vmm_alloc(c1, &wb);
+	cr_assert_eq(wb.allocation, wa.allocation, "carved from A's slab");
+	cr_assert(wb.offset >= wa.offset + VMM_BYTES || wb.offset + VMM_BYTES <= wa.offset,
+		  "B at %llu overlaps A at %llu", (unsigned long long)wb.offset,
+		  (unsigned long long)wa.offset);
+	void *pb = NULL;
+	cr_assert_eq(bb_map(b, &pb), 0, "%s", bb_last_error());
+	vmm_write(&api, pb, 42);
+	cr_assert(vmm_holds(&api, pa, 41), "B's bytes went over A's");
+	/* Another connection is sent the allocation's (kept) fd and reads A. */
+	bb_client *c2 = bbt_connect(&f->d);
+	bb_buf *a2 = NULL;
+	void *pa2 = NULL;
+	cr_assert_eq(bb_open(c2, bb_id(a), &a2), 0, "%s", bb_last_error());
+	cr_assert_eq(bb_map(a2, &pa2), 0, "%s", bb_last_error());
+	cr_assert(vmm_holds(&api, pa2, 41));
+	/* A crash after the new buffer: both are restored where they were. */
+	fsd_crash(f, NULL);
+	bb_buf *c = vmm_alloc(c2, &wc);
+	cr_assert_eq(wc.allocation, wa.allocation);
+	cr_assert(wc.offset >= wb.offset + VMM_BYTES || wc.offset + VMM_BYTES <= wb.offset);
+	cr_assert(wc.offset >= wa.offset + VMM_BYTES || wc.offset + VMM_BYTES <= wa.offset);
+	cr_assert(vmm_holds(&api, pb, 42));
+	cr_assert_eq(bbt_check_problems(c1), 0);
+
+	/* Everything released: the allocation is freed and leaves the store. */
+	bb_unref(c);
+	bb_unref(a2);
+	bb_unref(b);
+	bb_unref(a);
+	bb_disconnect(c2);
+	bb_client *c3 = bbt_connect(&f->d);
+	cr_assert(store_until(f, "a", 0), "%s stays in the store", nm);
+	uint64_t reserved = 1, allocations = 1;
+	int64_t end = bbt_now_ms() + bbt_ms(5000);
+	for (;;) {
+		device0_of(c3, &reserved, &allocations);
+		if (!(reserved || allocations) || bbt_now_ms() > end)
+			break;
+		poll(NULL, 0, 10);
+	}
+	cr_assert_eq(allocations, 0);
+	cr_assert_eq(reserved, 0);
+	cr_assert_eq(bbt_check_problems(c3), 0);
+	bb_disconnect(c3);
+	bb_disconnect(c1);
+	/* No process holds the allocation any more: the fake's device is
+	 * whole again. */
+	size_t fr = 0;
+	end = bbt_now_ms() + bbt_ms(5000);
+	while (api.MemGetInfo(&fr, &total) == CUDA_SUCCESS && fr != free0 && bbt_now_ms() < end)
+		poll(NULL, 0, 10);
+	cr_assert_eq(fr, free0, "the fake still counts %zu bytes", free0 - fr);
 }

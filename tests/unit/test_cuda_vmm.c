@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -293,4 +294,84 @@ Test(cuda_vmm, the_check_finds_a_vmm_allocation_that_lost_its_fd)
 	be->free(be, &l);
 	drain();
 	cr_assert_eq(be->check(be, report, sizeof(report)), 0, "%s", report);
+}
+
+/* ---- a restart: adopting kept allocations ------------------------------------------- */
+
+static int adopt(int fd, uint64_t allocation, uint64_t offset, uint64_t size, uint32_t uid,
+		 backend_mem *m)
+{
+	backend_carved c = {.allocation = allocation,
+			    .allocation_size = 8 * MiB,
+			    .offset = offset,
+			    .size = size,
+			    .device = 0,
+			    .uid = uid,
+			    .share = BB_SHARE_UID};
+	memset(m, 0, sizeof(*m));
+	return be->adopt_carved(be, fd, &c, m, err, sizeof(err));
+}
+
+Test(cuda_vmm, a_kept_allocation_is_imported_and_its_buffers_ranges_rebuilt)
+{
+	start();
+	/* What a daemon made before it died: two buffers of one slab, whose
+	 * fd the store kept (a dup). */
+	backend_mem a = alloc_kind(4096, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	backend_mem b = alloc_kind(8192, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	slab *s = slab_of(&a);
+	uint64_t id = s->allocation, oa = ((extent *)a.priv)->off, ob = ((extent *)b.priv)->off;
+	int kept = fcntl(s->fd, F_DUPFD_CLOEXEC, 3);
+	be->free(be, &a);
+	be->free(be, &b);
+	drain();
+	cr_assert_eq(cub()->vmm_allocations, 0);
+	be->allocation_floor(be, 1ull << 40);
+
+	backend_mem ra, rb, x;
+	cr_assert_eq(adopt(kept, id, ob, 8192, UID, &rb), 0, "%s", err);
+	slab *r = slab_of(&rb);
+	cr_assert_eq(r->fd, kept, "the kept fd is the slab's now");
+	cr_assert_eq(r->allocation, id, "under its old identity");
+	cr_assert_eq(r->size, 8 * MiB);
+	cr_assert_not(r->dedicated);
+	cr_assert_eq(cub()->vmm_allocations, 1);
+	cr_assert_eq(cub()->devs[0].reserved, 8 * MiB);
+	cr_assert_eq(cub()->devs[0].used, 8192);
+	cr_assert_eq(adopt(-1, id, oa, 4096, UID, &ra), 0, "%s", err);
+	cr_assert_eq(slab_of(&ra), r, "the second buffer of it finds the slab");
+	cr_assert_eq(r->live, 2);
+	/* A range that is not free, or not aligned, is refused. */
+	cr_assert_eq(adopt(-1, id, ob + 4096, 4096, UID, &x), BB_ERR_INVALID);
+	cr_assert(strstr(err, "not free"), "%s", err);
+	cr_assert_eq(adopt(-1, id, 12288 + 8, 256, UID, &x), BB_ERR_INVALID);
+	/* Another owner of the same identity is refused. */
+	cr_assert_eq(adopt(-1, id, 1 * MiB, 4096, UID + 1, &x), BB_ERR_INVALID);
+	/* An fd that does not import: refused, and still the caller's. */
+	int plain = memfd_create("not-cuda", MFD_CLOEXEC);
+	cr_assert_eq(adopt(plain, 77, 0, 4096, UID, &x), BB_ERR_INVALID);
+	cr_assert(fd_open(plain));
+	close(plain);
+	cr_assert_eq(cub()->vmm_allocations, 1);
+
+	/* New buffers are carved around the restored ones; new allocations get
+	 * identities above the floor. */
+	backend_mem c = alloc_kind(4096, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	cr_assert_eq(slab_of(&c), r);
+	uint64_t oc = ((extent *)c.priv)->off;
+	cr_assert(oc >= ob + 8192 || oc + 4096 <= oa, "carved at %llu", (unsigned long long)oc);
+	backend_mem d = alloc_kind(12 * MiB, BB_CUDA_HANDLE_VMM, BB_CUDA_HANDLE_VMM);
+	cr_assert_gt(slab_of(&d)->allocation, 1ull << 40);
+	char report[1024];
+	cr_assert_eq(be->check(be, report, sizeof(report)), 0, "%s", report);
+
+	be->free(be, &d);
+	be->free(be, &c);
+	be->free(be, &ra);
+	be->free(be, &rb);
+	drain();
+	cr_assert(!fd_open(kept), "the adopted fd is closed with its slab");
+	cr_assert_eq(cub()->devs[0].reserved, 0);
+	cr_assert_eq(cub()->devs[0].used, 0);
+	cr_assert_eq(cub()->vmm_allocations, 0);
 }

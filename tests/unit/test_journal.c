@@ -195,6 +195,7 @@ static void op_alloc(model *m)
 	b->r.cuda_handle = b->r.kind == BB_CUDA ? 1 + (uint32_t)(rnd(m) % 2) : 0;
 	b->r.allocation = b->r.kind == BB_CUDA ? 1 + rnd(m) % 8 : 0;
 	b->r.offset = b->r.kind == BB_CUDA ? 4096 * (rnd(m) % 512) : 0;
+	b->r.allocation_size = b->r.kind == BB_CUDA ? 4u << 20 : 0; /* holds any offset + size */
 	b->r.state = BB_PENDING;
 	b->r.owner_uid = m->s[si].r.uid;
 	b->r.owner_gid = m->s[si].r.gid;
@@ -935,6 +936,7 @@ Test(journal, the_checker_refuses_inconsistent_states)
 		"producer session 4 is unknown",
 		"state 7",
 		"two records",
+		"lie outside VMM allocation 5", /* the allocation's size is kept */
 	};
 	for (size_t c = 0; c < sizeof(want) / sizeof(want[0]); c++) {
 		st = consistent(b, s, h, t);
@@ -949,7 +951,15 @@ Test(journal, the_checker_refuses_inconsistent_states)
 		case 7: strcpy(b[0].name, "kv"), strcpy(b[1].name, "kv"); break;
 		case 8: b[1].producer = 4; break;
 		case 9: b[0].state = 7; break;
-		default: b[1].id = 1; break;
+		case 10: b[1].id = 1; break;
+		default:
+			b[0].kind = BB_CUDA;
+			b[0].device = 0;
+			b[0].cuda_handle = BB_CUDA_HANDLE_VMM;
+			b[0].allocation = 5;
+			b[0].allocation_size = 2u << 20;
+			b[0].offset = (2u << 20) - 256; /* its size runs past the end */
+			break;
 		}
 		expect_refused(&st, want[c]);
 	}

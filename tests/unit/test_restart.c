@@ -316,3 +316,64 @@ Test(restart, without_the_journal_kept_fds_are_dropped_and_nothing_is_rebuilt)
 		  status);
 	close(mem);
 }
+
+/* The stored names are bounded so that LISTEN_FDNAMES stays within the
+ * kernel's bound on one environment string: past the bound (a test's
+ * small one here) a buffer is served unprotected, and a removal gives its
+ * name's bytes back. */
+Test(restart, the_stored_names_stay_within_what_listen_fdnames_can_pass)
+{
+	char dir[] = "/tmp/bbt-restart-XXXXXX";
+	cr_assert(mkdtemp(dir));
+	char path[128];
+	snprintf(path, sizeof(path), "%s/notify", dir);
+	int sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%.100s", path);
+	cr_assert_eq(bind(sock, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	pid_t pid = fork();
+	cr_assert_geq(pid, 0);
+	if (pid == 0) {
+		unsetenv("LISTEN_FDS");
+		unsetenv("LISTEN_FDNAMES");
+		setenv("NOTIFY_SOCKET", path, 1);
+		setenv("BUFBROKERD_TEST_FDNAMES_MAX", "20", 1);
+		restart *r = NULL;
+		char why[256];
+		restart_config rc = {.journal = true};
+		CHECK(restart_new(&r, &rc, why, sizeof(why)) == 0);
+		const restart_stats *st = restart_get_stats(r);
+		int fd = memfd_create("b", MFD_CLOEXEC);
+		/* "b1".."b6" cost 3 bytes each ("b1:"): 18 of 20. */
+		for (uint64_t id = 1; id <= 6; id++)
+			restart_store_buffer(r, id, fd);
+		CHECK(st->names_bytes == 18 && st->unprotected == 0);
+		restart_store_buffer(r, 7, fd); /* 21: not stored */
+		CHECK(st->names_bytes == 18 && st->unprotected == 1);
+		restart_store_allocation(r, 8, fd); /* "a8": likewise */
+		CHECK(st->names_bytes == 18 && st->unprotected == 2);
+		restart_unstore_buffer(r, 7);
+		restart_unstore_allocation(r, 8);
+		CHECK(st->unprotected == 0);
+		restart_unstore_buffer(r, 1); /* its 3 bytes are free again */
+		CHECK(st->names_bytes == 15);
+		restart_store_buffer(r, 10, fd); /* "b10:" 4: 19 */
+		CHECK(st->names_bytes == 19 && st->unprotected == 0);
+		restart_flush(r);
+		restart_free(r);
+		_exit(0);
+	}
+	int status = 0;
+	cr_assert_eq(waitpid(pid, &status, 0), pid);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child failed (status %d)",
+		  status);
+	char text[4096] = "";
+	drain(sock, text, sizeof(text));
+	cr_assert(strstr(text, "[FDSTORE=1 FDNAME=b6]"), "%s", text);
+	cr_assert(strstr(text, "[FDSTORE=1 FDNAME=b10]"), "%s", text);
+	cr_assert_null(strstr(text, "FDNAME=b7]"), "past the bound, stored: %s", text);
+	cr_assert_null(strstr(text, "FDNAME=a8]"), "past the bound, stored: %s", text);
+	close(sock);
+	unlink(path);
+	rmdir(dir);
+}
