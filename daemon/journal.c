@@ -220,8 +220,9 @@ static int set_err(char *err, size_t len, int code, const char *fmt, ...)
 	return code;
 }
 
-/* Add an extent of the class with at least want slots. */
-static int journal__grow(journal *j, uint32_t cls, uint32_t want)
+/* Add an extent of the class with at least want slots; populate: its pages
+ * faulted in by the mmap (a whole state about to be written). */
+static int journal__grow(journal *j, uint32_t cls, uint32_t want, bool populate)
 {
 	jclass *c = &j->cls[cls];
 	if (j->n_ext >= JOURNAL_EXTENTS || c->nslots > UINT32_MAX / 2)
@@ -249,7 +250,8 @@ static int journal__grow(journal *j, uint32_t cls, uint32_t want)
 	j->touched = t;
 	if (ftruncate(j->fd, (off_t)(j->size + len)) != 0)
 		return BB_ERR_NO_MEMORY;
-	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, (off_t)j->size);
+	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE,
+			  MAP_SHARED | (populate ? MAP_POPULATE : 0), j->fd, (off_t)j->size);
 	if (base == MAP_FAILED)
 		return BB_ERR_NO_MEMORY; /* the file stays longer: harmless, unnamed */
 	jextent e = {.offset = j->size, .cls = cls, .nslots = n, .first = c->nslots};
@@ -278,7 +280,7 @@ static int journal__put(journal *j, uint32_t cls, uint32_t *slot, uint32_t type,
 	jclass *c = &j->cls[cls];
 	if (*slot == JOURNAL_NO_SLOT) {
 		if (!c->n_free) {
-			int rc = journal__grow(j, cls, c->first_extent_slots);
+			int rc = journal__grow(j, cls, c->first_extent_slots, false);
 			if (rc)
 				return rc;
 		}
@@ -394,6 +396,20 @@ void journal_set_store_hook(journal *j, void (*fn)(void *ctx), void *ctx)
 {
 	j->hook = fn;
 	j->hook_ctx = ctx;
+}
+
+int journal_reserve(journal *j, uint32_t big, uint32_t small)
+{
+	uint32_t want[2] = {[CLASS_BIG] = big, [CLASS_SMALL] = small};
+	for (uint32_t k = CLASS_BIG; k <= CLASS_SMALL; k++) {
+		jclass *c = &j->cls[k];
+		if (want[k] > c->n_free) {
+			int rc = journal__grow(j, k, want[k] - c->n_free, true);
+			if (rc)
+				return rc;
+		}
+	}
+	return 0;
 }
 
 void journal_begin(journal *j)
@@ -532,6 +548,18 @@ typedef struct jvec {
 	size_t n, cap, size;
 } jvec;
 
+/* Room for n items; a hint: without memory, jvec_push grows as it needs. */
+static void jvec_reserve(jvec *v, size_t n)
+{
+	if (n <= v->cap)
+		return;
+	void *p = realloc(v->items, n * v->size);
+	if (p) {
+		v->items = p;
+		v->cap = n;
+	}
+}
+
 static void *jvec_push(jvec *v)
 {
 	if (v->n == v->cap) {
@@ -543,6 +571,17 @@ static void *jvec_push(jvec *v)
 		v->cap = cap;
 	}
 	return (unsigned char *)v->items + v->n++ * v->size;
+}
+
+/* Whether v is in cmp's order already (then it needs no sort: records
+ * written in order and slots used in order, as often). */
+static bool jvec_sorted(const jvec *v, int (*cmp)(const void *, const void *))
+{
+	const unsigned char *p = v->items;
+	for (size_t i = 1; i < v->n; i++)
+		if (cmp(p + (i - 1) * v->size, p + i * v->size) > 0)
+			return false;
+	return true;
 }
 
 static int cmp_u64(uint64_t a, uint64_t b)
@@ -586,20 +625,25 @@ static int cmp_result(const void *a, const void *b)
 static const unsigned char *pick_copy(const unsigned char *slot, uint32_t copy, uint64_t index,
 				      uint64_t seq)
 {
-	const unsigned char *best = NULL;
-	uint64_t best_seq = 0;
+	/* The candidates by their headers, the higher sequence number first
+	 * (copy 0 first on a tie); the first whose checksum holds is the
+	 * one, so a slot costs one checksum, not two. */
+	const unsigned char *c[2] = {slot, slot + copy};
+	uint64_t s[2];
 	for (int i = 0; i < 2; i++) {
-		const unsigned char *c = slot + (size_t)i * copy;
 		jcopy h;
-		memcpy(&h, c, sizeof(h));
-		if (h.seq == 0 || h.seq > seq || h.slot != index || h.ck != copy_ck(c, copy))
-			continue;
-		if (!best || h.seq > best_seq) {
-			best = c;
-			best_seq = h.seq;
-		}
+		memcpy(&h, c[i], sizeof(h));
+		s[i] = h.seq == 0 || h.seq > seq || h.slot != index ? 0 : h.seq;
 	}
-	return best;
+	int first = s[1] > s[0] ? 1 : 0;
+	for (int k = 0; k < 2; k++) {
+		int i = k ? 1 - first : first;
+		jcopy h;
+		memcpy(&h, c[i], sizeof(h));
+		if (s[i] && h.ck == copy_ck(c[i], copy))
+			return c[i];
+	}
+	return NULL;
 }
 
 /* Read the slots of one extent into the state's vectors. */
@@ -650,7 +694,8 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		return set_err(err, len, BB_ERR_INVALID, "journal: %lld bytes is too short",
 			       (long long)st.st_size);
 	size_t size = (size_t)st.st_size;
-	unsigned char *m = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+	/* Every page is read: fault them in with the mapping. */
+	unsigned char *m = mmap(NULL, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
 	if (m == MAP_FAILED)
 		return set_err(err, len, BB_ERR_SYSTEM, "journal: mmap: %s", strerror(errno));
 	int rc = 0;
@@ -684,6 +729,12 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		rc = set_err(err, len, BB_ERR_PROTOCOL, "journal: no valid commit record");
 		goto out;
 	}
+	/* The commit says how many records of each type to expect: room for
+	 * them at once (no more than the file could hold: the counts are
+	 * checked against what is found below). */
+	for (int t = T_BUFFER; t < T_COUNT; t++)
+		if (commit.count[t] <= size / (2 * (t == T_BUFFER ? BIG_COPY : SMALL_COPY)))
+			jvec_reserve(&v[t], commit.count[t]);
 	jcommit seen = {0};
 	uint64_t first[2] = {0, 0};
 	for (uint32_t i = 0; i < JOURNAL_EXTENTS; i++) {
@@ -728,7 +779,8 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		[T_TOKEN] = cmp_token,   [T_RESULT] = cmp_result,
 	};
 	for (int t = T_BUFFER; t < T_COUNT; t++)
-		if (v[t].n) /* items is NULL when empty, which qsort may not take */
+		if (v[t].n && !jvec_sorted(&v[t], cmp[t])) /* items is NULL when empty, which
+							    * qsort may not take */
 			qsort(v[t].items, v[t].n, v[t].size, cmp[t]);
 	out->seq = commit.seq;
 	out->ids.next_buffer = commit.next_buffer;
