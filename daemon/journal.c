@@ -912,15 +912,25 @@ int journal_check(const journal_state *s, char *report, size_t len)
 		if (i && x->id == s->sessions[i - 1].id)
 			problem(&r, "session %llu: two records", (unsigned long long)x->id);
 	}
+	/* Holds are sorted by session, then buffer: a session's holds are
+	 * looked up once, and its next buffer is most often the buffer after
+	 * the last one found. */
+	const journal_buffer *last = NULL;
+	bool session_known = false;
 	for (size_t i = 0; i < s->n_holds; i++) {
 		const journal_hold *h = &s->holds[i];
-		const journal_buffer *b = find_buffer(s, h->buffer);
+		const journal_buffer *b =
+			last && last + 1 < s->buffers + s->n_buffers && last[1].id == h->buffer
+				? last + 1
+				: find_buffer(s, h->buffer);
 		if (!b)
 			problem(&r, "hold of session %llu: buffer %llu is unknown",
 				(unsigned long long)h->session, (unsigned long long)h->buffer);
 		else
-			refs[b - s->buffers] += h->count;
-		if (!has_session(s, h->session))
+			refs[(last = b) - s->buffers] += h->count;
+		if (!i || h->session != h[-1].session)
+			session_known = has_session(s, h->session);
+		if (!session_known)
 			problem(&r, "hold on buffer %llu: session %llu is unknown",
 				(unsigned long long)h->buffer, (unsigned long long)h->session);
 		if (!h->count)
