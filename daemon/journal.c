@@ -694,8 +694,7 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		return set_err(err, len, BB_ERR_INVALID, "journal: %lld bytes is too short",
 			       (long long)st.st_size);
 	size_t size = (size_t)st.st_size;
-	/* Every page is read: fault them in with the mapping. */
-	unsigned char *m = mmap(NULL, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+	unsigned char *m = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
 	if (m == MAP_FAILED)
 		return set_err(err, len, BB_ERR_SYSTEM, "journal: mmap: %s", strerror(errno));
 	int rc = 0;
