@@ -220,9 +220,8 @@ static int set_err(char *err, size_t len, int code, const char *fmt, ...)
 	return code;
 }
 
-/* Add an extent of the class with at least want slots; populate: its pages
- * faulted in by the mmap (a whole state about to be written). */
-static int journal__grow(journal *j, uint32_t cls, uint32_t want, bool populate)
+/* Add an extent of the class with at least want slots. */
+static int journal__grow(journal *j, uint32_t cls, uint32_t want)
 {
 	jclass *c = &j->cls[cls];
 	if (j->n_ext >= JOURNAL_EXTENTS || c->nslots > UINT32_MAX / 2)
@@ -250,8 +249,7 @@ static int journal__grow(journal *j, uint32_t cls, uint32_t want, bool populate)
 	j->touched = t;
 	if (ftruncate(j->fd, (off_t)(j->size + len)) != 0)
 		return BB_ERR_NO_MEMORY;
-	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE,
-			  MAP_SHARED | (populate ? MAP_POPULATE : 0), j->fd, (off_t)j->size);
+	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, (off_t)j->size);
 	if (base == MAP_FAILED)
 		return BB_ERR_NO_MEMORY; /* the file stays longer: harmless, unnamed */
 	jextent e = {.offset = j->size, .cls = cls, .nslots = n, .first = c->nslots};
@@ -280,7 +278,7 @@ static int journal__put(journal *j, uint32_t cls, uint32_t *slot, uint32_t type,
 	jclass *c = &j->cls[cls];
 	if (*slot == JOURNAL_NO_SLOT) {
 		if (!c->n_free) {
-			int rc = journal__grow(j, cls, c->first_extent_slots, false);
+			int rc = journal__grow(j, cls, c->first_extent_slots);
 			if (rc)
 				return rc;
 		}
@@ -404,7 +402,7 @@ int journal_reserve(journal *j, uint32_t big, uint32_t small)
 	for (uint32_t k = CLASS_BIG; k <= CLASS_SMALL; k++) {
 		jclass *c = &j->cls[k];
 		if (want[k] > c->n_free) {
-			int rc = journal__grow(j, k, want[k] - c->n_free, true);
+			int rc = journal__grow(j, k, want[k] - c->n_free);
 			if (rc)
 				return rc;
 		}

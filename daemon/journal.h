@@ -155,8 +155,8 @@ void journal_free(journal *j);
 int journal_fd(const journal *j);
 
 /* Make room for at least big new buffer records and small new session,
- * hold, token and result records in one step per class (one extent, its
- * pages faulted in at once), so that that many puts need no growth: for
+ * hold, token and result records in one step per class (one extent), so
+ * that that many puts need no growth: for
  * writing a whole state (the start from a kept state). 0, or
  * BB_ERR_NO_MEMORY (the journal is unchanged but for room it could add;
  * puts still grow it as they need). */
