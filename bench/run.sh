@@ -287,7 +287,7 @@ fi
 # leaves the host buffers as much as it can.
 (
 	ulimit -n "$WANT_FILES" 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-	exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb-journal.sock" --log-level warn --restart \
+	exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb-journal.sock" --log-level info --restart \
 		--uid-buffers $((MAX_LEVEL + 100000)) --uid-host-bytes 1T --uid-cuda-bytes 1T \
 		--max-connections 200 ${CUDA_ARG[@]+--cuda-handle vmm}
 ) >"$DIR/daemon-journal.log" 2>&1 &

@@ -185,6 +185,7 @@ struct broker {
 	uint32_t nabsent;                           /* absent sessions */
 	uint64_t restored;                          /* buffers broker_restore rebuilt */
 	uint64_t restored_lost;                     /* ... of which lost their memory */
+	broker_restore_times restore_times;         /* the last broker_restore's */
 };
 
 static int fail(broker_error *err, int code, const char *fmt, ...)
@@ -1599,14 +1600,51 @@ static void report_add(char *report, size_t len, size_t *used, int *problems, co
 
 /* Scratch counts per buffer while checking. Keyed by address, so that a
  * holding, token or waiter that points at a freed buffer is found out
- * without reading it. */
+ * without reading it: an open-addressing table sized once for every live
+ * buffer (one allocation, not one per buffer). */
 typedef struct check_row {
-	const broker_buf *buf; /* key */
+	const broker_buf *buf; /* key; NULL: an empty place */
 	uint64_t counts;       /* sum of connection counts */
 	uint64_t tokens;       /* live tokens seen */
 	uint64_t waiters;      /* waiters seen through connections */
-	UT_hash_handle hh;
 } check_row;
+
+typedef struct check_rows {
+	check_row *rows;
+	size_t mask; /* places - 1, a power of two at least twice the buffers */
+} check_rows;
+
+static size_t check_home(const check_rows *t, const broker_buf *buf)
+{
+	uint64_t h = (uint64_t)(uintptr_t)buf;
+	h ^= h >> 33;
+	h *= 0xff51afd7ed558ccdull;
+	h ^= h >> 33;
+	return (size_t)h & t->mask;
+}
+
+/* buf's row, or NULL: not a live buffer. */
+static check_row *check_row_find(const check_rows *t, const broker_buf *buf)
+{
+	if (!buf)
+		return NULL;
+	for (size_t i = check_home(t, buf);; i = (i + 1) & t->mask) {
+		if (t->rows[i].buf == buf)
+			return &t->rows[i];
+		if (!t->rows[i].buf)
+			return NULL;
+	}
+}
+
+/* A row for buf (a live buffer, in no row yet). */
+static check_row *check_row_add(check_rows *t, const broker_buf *buf)
+{
+	size_t i = check_home(t, buf);
+	while (t->rows[i].buf)
+		i = (i + 1) & t->mask;
+	t->rows[i].buf = buf;
+	return &t->rows[i];
+}
 
 /* conn's books of VMM allocations against its holdings: each allocation
  * counts the buffers of it that conn holds, and no other is there. */
@@ -1658,7 +1696,8 @@ int broker_check(broker *b, char *report, size_t len)
 {
 	size_t used = 0;
 	int problems = 0;
-	check_row *rows = NULL, *row, *tmp;
+	check_rows rows = {NULL, 0};
+	check_row *row;
 	uint64_t buffers[BROKER_KINDS] = {0}, bytes[BROKER_KINDS] = {0};
 	uint64_t hbuffers[BROKER_CUDA_HANDLES] = {0}, hbytes[BROKER_CUDA_HANDLES] = {0};
 	uint64_t waits = 0, conns = 0;
@@ -1666,15 +1705,17 @@ int broker_check(broker *b, char *report, size_t len)
 	if (len)
 		report[0] = '\0';
 #define PROBLEM(...) report_add(report, len, &used, &problems, __VA_ARGS__)
+	size_t places = 16;
+	while (places < 2 * (size_t)idmap_count(&b->by_id))
+		places *= 2;
+	if (!(rows.rows = calloc(places, sizeof(*rows.rows)))) {
+		PROBLEM("check: out of memory");
+		goto out;
+	}
+	rows.mask = places - 1;
 	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s)) {
 		broker_buf *buf = s->item;
-		row = calloc(1, sizeof(*row));
-		if (!row) {
-			PROBLEM("check: out of memory");
-			goto out;
-		}
-		row->buf = buf;
-		HASH_ADD(hh, rows, buf, sizeof(row->buf), row);
+		check_row_add(&rows, buf);
 		if (!(buf->flags & BUF_LOST)) { /* a lost buffer is in no total */
 			buffers[buf->kind]++;
 			bytes[buf->kind] += buf->size;
@@ -1698,7 +1739,7 @@ int broker_check(broker *b, char *report, size_t len)
 		for (idmap_slot *h = idmap_next(&c->holdings, NULL); h;
 		     h = idmap_next(&c->holdings, h)) {
 			const broker_buf *hb = h->item;
-			HASH_FIND(hh, rows, &hb, sizeof(hb), row);
+			row = check_row_find(&rows, hb);
 			if (!row) {
 				PROBLEM("connection of pid %u holds %u on a buffer that is not live (%p)",
 					c->pid, h->value, h->item);
@@ -1721,7 +1762,7 @@ int broker_check(broker *b, char *report, size_t len)
 				PROBLEM("connection of pid %u has a waiter on no buffer", c->pid);
 				continue;
 			}
-			HASH_FIND(hh, rows, &w->buf, sizeof(w->buf), row);
+			row = check_row_find(&rows, w->buf);
 			if (row)
 				row->waiters++;
 		}
@@ -1738,7 +1779,7 @@ int broker_check(broker *b, char *report, size_t len)
 	uint64_t ntokens = 0;
 	for (token *t = b->tokens; t; t = t->hh.next) {
 		ntokens++;
-		HASH_FIND(hh, rows, &t->buf, sizeof(t->buf), row);
+		row = check_row_find(&rows, t->buf);
 		if (!row)
 			PROBLEM("a live token references a buffer that is not live (%p)",
 				(void *)t->buf);
@@ -1748,7 +1789,7 @@ int broker_check(broker *b, char *report, size_t len)
 	for (idmap_slot *s = idmap_next(&b->by_id, NULL); s; s = idmap_next(&b->by_id, s)) {
 		const broker_buf *buf = s->item;
 		uint64_t nwaiters = 0;
-		HASH_FIND(hh, rows, &buf, sizeof(buf), row);
+		row = check_row_find(&rows, buf);
 		for (broker_waiter *w = buf->waiters; w; w = w->next)
 			nwaiters++;
 		if (buf->refs != row->counts + row->tokens)
@@ -1852,10 +1893,7 @@ int broker_check(broker *b, char *report, size_t len)
 		PROBLEM("%u connections counted, %" PRIu64 " open", b->nconns, conns);
 #undef PROBLEM
 out:
-	HASH_ITER (hh, rows, row, tmp) {
-		HASH_DELETE(hh, rows, row);
-		free(row);
-	}
+	free(rows.rows);
 	return problems;
 }
 
@@ -2170,7 +2208,19 @@ static int restore_token(broker *b, const journal_token *r, broker_conn *maker, 
 static void journal_everything(broker *b)
 {
 	broker_conn *conn;
+	/* Room for every record at once (one extent per class, not a
+	 * doubling series); should it fail, the puts grow the file as usual. */
+	uint64_t small = b->ntokens;
 	DL_FOREACH (b->conns, conn) {
+		small += 1 + idmap_count(&conn->holdings);
+		for (int i = 0; conn->results && i < JOURNAL_RESULT_RING; i++)
+			small += conn->results[i].r.request != 0;
+	}
+	uint64_t big = idmap_count(&b->by_id);
+	if (big <= UINT32_MAX && small <= UINT32_MAX)
+		(void)journal_reserve(b->j, (uint32_t)big, (uint32_t)small);
+	DL_FOREACH (b->conns, conn) {
+		(void)idmap_reserve(&conn->jholds, idmap_count(&conn->holdings));
 		jput_session(b, conn);
 		for (idmap_slot *h = idmap_next(&conn->holdings, NULL); h;
 		     h = idmap_next(&conn->holdings, h))
@@ -2227,15 +2277,29 @@ static int restore_state(broker *b, const journal_state *s, broker_conn **conns,
 		if (conn && conn->results)
 			conn->results[r->request % JOURNAL_RESULT_RING].r = *r;
 	}
+	/* Tables sized once for what comes (hints: inserts grow them as
+	 * usual should this fail). */
+	if (s->n_buffers <= UINT32_MAX - idmap_count(&b->by_id))
+		(void)idmap_reserve(&b->by_id, idmap_count(&b->by_id) + (uint32_t)s->n_buffers);
 	for (size_t i = 0; i < s->n_buffers; i++) {
 		const journal_buffer *r = &s->buffers[i];
 		broker_conn *producer = r->producer ? restored_conn(s, conns, r->producer) : NULL;
 		if ((rc = restore_buffer(b, r, producer, mem, ctx, err)))
 			return rc;
 	}
+	broker_conn *conn = NULL;
 	for (size_t i = 0; i < s->n_holds; i++) {
 		const journal_hold *r = &s->holds[i];
-		broker_conn *conn = restored_conn(s, conns, r->session);
+		/* Sorted by session: one lookup and one sizing per session. */
+		if (!i || r->session != s->holds[i - 1].session) {
+			conn = restored_conn(s, conns, r->session);
+			size_t run = 1;
+			while (i + run < s->n_holds && s->holds[i + run].session == r->session)
+				run++;
+			if (run <= UINT32_MAX - idmap_count(&conn->holdings))
+				(void)idmap_reserve(&conn->holdings,
+						    idmap_count(&conn->holdings) + (uint32_t)run);
+		}
 		broker_buf *buf = find_buf(b, r->buffer);
 		uint64_t alloc = fd_allocation(buf);
 		if (alloc && conn_allocation_add(conn, alloc, 1))
@@ -2278,14 +2342,33 @@ static void restore_undo(broker *b)
 	b->restored = b->restored_lost = 0;
 }
 
+/* The monotonic clock in microseconds: the restore's phases (a measurement,
+ * not the broker's clock). */
+static uint64_t restore_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
 int broker_restore(broker *b, int fd, broker_restore_mem mem, void *ctx, broker_error *err)
 {
 	char msg[BROKER_ERR_LEN];
 	journal_state s;
+	broker_restore_times *tm = &b->restore_times;
+	memset(tm, 0, sizeof(*tm));
+	uint64_t t = restore_us(), t1;
 	int rc = journal_read(fd, &s, msg, sizeof(msg));
+	t1 = restore_us();
+	tm->read_us = t1 - t;
+	t = t1;
 	if (rc)
 		return fail(err, rc, "the journal is refused: %s", msg);
-	if (journal_check(&s, msg, sizeof(msg))) {
+	int bad = journal_check(&s, msg, sizeof(msg));
+	t1 = restore_us();
+	tm->check_us = t1 - t;
+	t = t1;
+	if (bad) {
 		journal_state_free(&s);
 		return fail(err, BB_ERR_PROTOCOL, "the journal's state does not hold together: %s",
 			    msg);
@@ -2298,15 +2381,27 @@ int broker_restore(broker *b, int fd, broker_restore_mem mem, void *ctx, broker_
 	rc = restore_state(b, &s, conns, mem, ctx, err);
 	free(conns);
 	journal_state_free(&s);
+	t1 = restore_us();
+	tm->rebuild_us = t1 - t;
+	t = t1;
 	if (!rc && broker_check(b, msg, sizeof(msg)))
 		rc = fail(err, BB_ERR_PROTOCOL, "the rebuilt broker does not check: %s", msg);
+	t1 = restore_us();
+	tm->broker_check_us = t1 - t;
+	t = t1;
 	if (rc) {
 		restore_undo(b);
 		return rc;
 	}
 	if (b->j)
 		journal_everything(b);
+	tm->journal_us = restore_us() - t;
 	return 0;
+}
+
+void broker_restore_times_get(const broker *b, broker_restore_times *out)
+{
+	*out = b->restore_times;
 }
 
 /* ---- sessions across a restart ------------------------------------------- */

@@ -374,6 +374,14 @@ void broker_set_grace(broker *b, uint64_t grace_ms);
 /* Buffers broker_restore rebuilt, and how many of them had lost their
  * memory (BROKER_RESTORE_LOST: FAILED). */
 void broker_restored(const broker *b, uint64_t *buffers, uint64_t *lost);
+/* Where the last broker_restore's time went (microseconds, monotonic
+ * clock; for the restart log line): the journal read, its check, the
+ * rebuild (the memory callback included), broker_check, the fresh
+ * journal's write. */
+typedef struct broker_restore_times {
+	uint64_t read_us, check_us, rebuild_us, broker_check_us, journal_us;
+} broker_restore_times;
+void broker_restore_times_get(const broker *b, broker_restore_times *out);
 
 /* [helper B] The 16-byte secret that resumes conn's session (random, made
  * by broker_conn_open, journaled with the session). */

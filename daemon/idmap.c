@@ -84,6 +84,18 @@ idmap_slot *idmap_find(const idmap *m, uint64_t id)
 	}
 }
 
+int idmap_reserve(idmap *m, uint32_t n)
+{
+	uint64_t cap = m->cap ? m->cap : IDMAP_MIN_CAP;
+	while ((uint64_t)n * 4 > cap * 3)
+		cap *= 2;
+	if (cap <= m->cap)
+		return 0;
+	if (cap > IDMAP_MAX_CAP)
+		return BB_ERR_NO_MEMORY;
+	return idmap__resize(m, (uint32_t)cap);
+}
+
 int idmap_insert(idmap *m, void *item, uint32_t value)
 {
 	/* Grow before the table passes 3/4: linear probing's sequences get

@@ -46,6 +46,10 @@ idmap_slot *idmap_find(const idmap *m, uint64_t id);
  * BB_ERR_NO_MEMORY with m unchanged when the table could not grow. */
 int idmap_insert(idmap *m, void *item, uint32_t value);
 
+/* Room for n entries in all, so that inserts up to n need no growth (a
+ * hint for bulk loads). 0, or BB_ERR_NO_MEMORY leaving m as it was. */
+int idmap_reserve(idmap *m, uint32_t n);
+
 /* Remove the entry in slot (from idmap_find or idmap_next). Never fails;
  * the table may shrink, so every slot pointer is stale afterwards. */
 void idmap_remove(idmap *m, idmap_slot *slot);

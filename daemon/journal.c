@@ -396,6 +396,20 @@ void journal_set_store_hook(journal *j, void (*fn)(void *ctx), void *ctx)
 	j->hook_ctx = ctx;
 }
 
+int journal_reserve(journal *j, uint32_t big, uint32_t small)
+{
+	uint32_t want[2] = {[CLASS_BIG] = big, [CLASS_SMALL] = small};
+	for (uint32_t k = CLASS_BIG; k <= CLASS_SMALL; k++) {
+		jclass *c = &j->cls[k];
+		if (want[k] > c->n_free) {
+			int rc = journal__grow(j, k, want[k] - c->n_free);
+			if (rc)
+				return rc;
+		}
+	}
+	return 0;
+}
+
 void journal_begin(journal *j)
 {
 	j->in_txn = true;
@@ -533,6 +547,18 @@ typedef struct jvec {
 	size_t n, cap, size;
 } jvec;
 
+/* Room for n items; a hint: without memory, jvec_push grows as it needs. */
+static void jvec_reserve(jvec *v, size_t n)
+{
+	if (n <= v->cap)
+		return;
+	void *p = realloc(v->items, n * v->size);
+	if (p) {
+		v->items = p;
+		v->cap = n;
+	}
+}
+
 static void *jvec_push(jvec *v)
 {
 	if (v->n == v->cap) {
@@ -544,6 +570,17 @@ static void *jvec_push(jvec *v)
 		v->cap = cap;
 	}
 	return (unsigned char *)v->items + v->n++ * v->size;
+}
+
+/* Whether v is in cmp's order already (then it needs no sort: records
+ * written in order and slots used in order, as often). */
+static bool jvec_sorted(const jvec *v, int (*cmp)(const void *, const void *))
+{
+	const unsigned char *p = v->items;
+	for (size_t i = 1; i < v->n; i++)
+		if (cmp(p + (i - 1) * v->size, p + i * v->size) > 0)
+			return false;
+	return true;
 }
 
 static int cmp_u64(uint64_t a, uint64_t b)
@@ -587,20 +624,25 @@ static int cmp_result(const void *a, const void *b)
 static const unsigned char *pick_copy(const unsigned char *slot, uint32_t copy, uint64_t index,
 				      uint64_t seq)
 {
-	const unsigned char *best = NULL;
-	uint64_t best_seq = 0;
+	/* The candidates by their headers, the higher sequence number first
+	 * (copy 0 first on a tie); the first whose checksum holds is the
+	 * one, so a slot costs one checksum, not two. */
+	const unsigned char *c[2] = {slot, slot + copy};
+	uint64_t s[2];
 	for (int i = 0; i < 2; i++) {
-		const unsigned char *c = slot + (size_t)i * copy;
 		jcopy h;
-		memcpy(&h, c, sizeof(h));
-		if (h.seq == 0 || h.seq > seq || h.slot != index || h.ck != copy_ck(c, copy))
-			continue;
-		if (!best || h.seq > best_seq) {
-			best = c;
-			best_seq = h.seq;
-		}
+		memcpy(&h, c[i], sizeof(h));
+		s[i] = h.seq == 0 || h.seq > seq || h.slot != index ? 0 : h.seq;
 	}
-	return best;
+	int first = s[1] > s[0] ? 1 : 0;
+	for (int k = 0; k < 2; k++) {
+		int i = k ? 1 - first : first;
+		jcopy h;
+		memcpy(&h, c[i], sizeof(h));
+		if (s[i] && h.ck == copy_ck(c[i], copy))
+			return c[i];
+	}
+	return NULL;
 }
 
 /* Read the slots of one extent into the state's vectors. */
@@ -685,6 +727,12 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		rc = set_err(err, len, BB_ERR_PROTOCOL, "journal: no valid commit record");
 		goto out;
 	}
+	/* The commit says how many records of each type to expect: room for
+	 * them at once (no more than the file could hold: the counts are
+	 * checked against what is found below). */
+	for (int t = T_BUFFER; t < T_COUNT; t++)
+		if (commit.count[t] <= size / (2 * (t == T_BUFFER ? BIG_COPY : SMALL_COPY)))
+			jvec_reserve(&v[t], commit.count[t]);
 	jcommit seen = {0};
 	uint64_t first[2] = {0, 0};
 	for (uint32_t i = 0; i < JOURNAL_EXTENTS; i++) {
@@ -729,7 +777,8 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		[T_TOKEN] = cmp_token,   [T_RESULT] = cmp_result,
 	};
 	for (int t = T_BUFFER; t < T_COUNT; t++)
-		if (v[t].n) /* items is NULL when empty, which qsort may not take */
+		if (v[t].n && !jvec_sorted(&v[t], cmp[t])) /* items is NULL when empty, which
+							    * qsort may not take */
 			qsort(v[t].items, v[t].n, v[t].size, cmp[t]);
 	out->seq = commit.seq;
 	out->ids.next_buffer = commit.next_buffer;
@@ -871,15 +920,25 @@ int journal_check(const journal_state *s, char *report, size_t len)
 		if (i && x->id == s->sessions[i - 1].id)
 			problem(&r, "session %llu: two records", (unsigned long long)x->id);
 	}
+	/* Holds are sorted by session, then buffer: a session's holds are
+	 * looked up once, and its next buffer is most often the buffer after
+	 * the last one found. */
+	const journal_buffer *last = NULL;
+	bool session_known = false;
 	for (size_t i = 0; i < s->n_holds; i++) {
 		const journal_hold *h = &s->holds[i];
-		const journal_buffer *b = find_buffer(s, h->buffer);
+		const journal_buffer *b =
+			last && last + 1 < s->buffers + s->n_buffers && last[1].id == h->buffer
+				? last + 1
+				: find_buffer(s, h->buffer);
 		if (!b)
 			problem(&r, "hold of session %llu: buffer %llu is unknown",
 				(unsigned long long)h->session, (unsigned long long)h->buffer);
 		else
-			refs[b - s->buffers] += h->count;
-		if (!has_session(s, h->session))
+			refs[(last = b) - s->buffers] += h->count;
+		if (!i || h->session != h[-1].session)
+			session_known = has_session(s, h->session);
+		if (!session_known)
 			problem(&r, "hold on buffer %llu: session %llu is unknown",
 				(unsigned long long)h->buffer, (unsigned long long)h->session);
 		if (!h->count)

@@ -157,6 +157,14 @@ void journal_free(journal *j);
 /* The memfd, for the fd store or an execve handover. Borrowed. */
 int journal_fd(const journal *j);
 
+/* Make room for at least big new buffer records and small new session,
+ * hold, token and result records in one step per class (one extent), so
+ * that that many puts need no growth: for
+ * writing a whole state (the start from a kept state). 0, or
+ * BB_ERR_NO_MEMORY (the journal is unchanged but for room it could add;
+ * puts still grow it as they need). */
+int journal_reserve(journal *j, uint32_t big, uint32_t small);
+
 /* A transaction: journal_begin, any number of puts and drops, then
  * journal_commit. There is no abort: a begun transaction is committed
  * (committing the changes that were made; the broker journals only what it

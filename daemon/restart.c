@@ -96,6 +96,12 @@ struct restart {
 	size_t nremovals, capremovals;
 	bool warned_unprotected; /* the first failed add was logged */
 	restart_stats stats;
+	/* Where the start's time went (us; the restart log line). */
+	uint64_t new_at_us; /* restart_new was called */
+	uint64_t take_us;   /* taking what LISTEN_FDS passed */
+	uint64_t adopt_us;  /* the backends adopting the kept fds (in the rebuild) */
+	uint64_t store_us;  /* storing the new journal */
+	uint64_t drop_us;   /* removing and closing the old journals and orphans */
 };
 
 /* ---- names ------------------------------------------------------------------- */
@@ -402,6 +408,13 @@ size_t restart_each_fd(restart *r, int (*fn)(void *ctx, const char *name, int fd
 
 /* ---- the start ------------------------------------------------------------------ */
 
+static uint64_t mono_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
 static int compare_journals(const void *x, const void *y)
 {
 	const passed_journal *a = x, *b = y;
@@ -481,8 +494,10 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	r->notify_fd = -1;
 	r->stats.journal_fd = -1;
 	r->listen_fd = -1;
+	r->new_at_us = mono_us();
 	if (take_passed(r, why, len) < 0)
 		return -1;
+	r->take_us = mono_us() - r->new_at_us;
 	const char *fdstore = getenv("FDSTORE");
 	uint64_t v;
 	if (!r->cfg.store_max && fdstore && !parse_decimal(fdstore, &v))
@@ -566,9 +581,11 @@ static int restore_mem(void *ctx, backend *be, const journal_buffer *rec, backen
 		return BROKER_RESTORE_LOST;
 	}
 	char msg[200] = "";
+	uint64_t t = mono_us();
 	int rc = be->adopt(be, p->fd, rec->size, rec->owner_uid,
 			   rec->flags & (JOURNAL_BUF_IMPORTED | JOURNAL_BUF_EXPOSED), out, msg,
 			   sizeof(msg));
+	r->adopt_us += mono_us() - t;
 	if (rc == BB_ERR_INVALID) {
 		snprintf(err, len, "%s (%s)", RESTART_MISSING_WHY, msg);
 		r->stats.failed_missing++;
@@ -623,13 +640,6 @@ static void drop_passed(restart *r, bool journals)
 	}
 	if (journals)
 		r->njournals = 0;
-}
-
-static uint64_t mono_us(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
 int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *listen_fd, char *why,
@@ -696,21 +706,37 @@ int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *list
 	/* The new generation in the store, then the old ones and the orphans
 	 * out. */
 	char name[NAME_MAX_LEN];
+	uint64_t t = mono_us();
 	snprintf(name, sizeof(name), "journal-%" PRIu64, r->generation);
 	r->stats.protected_by_store = r->store && store_add(r, name, journal_fd(r->j)) == 0;
 	if (r->store && !r->stats.protected_by_store)
 		log_warn("event=fdstore_add_failed name=%s note=\"the state will not survive a "
 			 "restart\"",
 			 name);
+	uint64_t t1 = mono_us();
+	r->store_us = t1 - t;
 	drop_passed(r, true);
+	r->drop_us = mono_us() - t1;
 	r->stats.start_us = mono_us() - t0;
-	if (tried)
+	if (tried) {
+		/* The phases in ms (RESTART.md, "Starting from a kept state"):
+		 * taking the passed fds, the journal read and check, the rebuild
+		 * (adopting the fds counted apart), broker_check, the fresh
+		 * journal, its store, the old journals and orphans out. */
+		broker_restore_times tm;
+		broker_restore_times_get(b, &tm);
 		log_info("event=restart_restored generation=%" PRIu64 " buffers=%" PRIu64
 			 " sessions=%u failed_legacy=%" PRIu64 " failed_missing=%" PRIu64
-			 " orphans_closed=%" PRIu64 " refused=%s duration_us=%" PRIu64,
+			 " orphans_closed=%" PRIu64 " refused=%s duration_us=%" PRIu64
+			 " take_ms=%.1f read_ms=%.1f check_ms=%.1f rebuild_ms=%.1f adopt_ms=%.1f"
+			 " broker_check_ms=%.1f journal_ms=%.1f store_ms=%.1f drop_ms=%.1f",
 			 r->generation, r->stats.restored_buffers, broker_absent_sessions(b),
 			 r->stats.failed_legacy, r->stats.failed_missing, r->stats.orphans_closed,
-			 r->stats.refused ? "yes" : "no", r->stats.start_us);
+			 r->stats.refused ? "yes" : "no", r->stats.start_us, r->take_us / 1e3,
+			 tm.read_us / 1e3, tm.check_us / 1e3, tm.rebuild_us / 1e3,
+			 r->adopt_us / 1e3, tm.broker_check_us / 1e3, tm.journal_us / 1e3,
+			 r->store_us / 1e3, r->drop_us / 1e3);
+	}
 	return 0;
 }
 

@@ -240,6 +240,27 @@ Test(idmap, table_grows_past_three_quarters_and_shrinks_when_sparse)
 	idmap_free(&m);
 }
 
+Test(idmap, a_reserve_sizes_the_table_once_for_the_inserts_to_come)
+{
+	enum { N = 1000 };
+	static item items[N];
+	idmap m = {0};
+	items[0].id = 1;
+	cr_assert_eq(idmap_insert(&m, &items[0], 5), 0);
+	cr_assert_eq(idmap_reserve(&m, N), 0);
+	cr_assert_eq(m.cap, 2048, "1000 entries need 2048 slots at 3/4, not %u", m.cap);
+	cr_assert_eq(idmap_find(&m, 1)->value, 5, "the entry moved with its value");
+	for (int i = 1; i < N; i++) {
+		items[i].id = (uint64_t)i + 1;
+		cr_assert_eq(idmap_insert(&m, &items[i], 0), 0);
+		cr_assert_eq(m.cap, 2048, "insert %d grew the reserved table", i);
+	}
+	assert_shape(&m);
+	cr_assert_eq(idmap_reserve(&m, 10), 0);
+	cr_assert_eq(m.cap, 2048, "a smaller reserve never shrinks the table");
+	idmap_free(&m);
+}
+
 /* xorshift64: the same churn on every run. */
 static uint64_t next_random(uint64_t *x)
 {

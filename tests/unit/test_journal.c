@@ -879,6 +879,52 @@ Test(journal, a_retain_costs_two_record_copies_and_a_commit)
 	model_free(m);
 }
 
+Test(journal, a_reserve_grows_the_file_once_and_the_puts_fit_in_it)
+{
+	enum { N = 300 };
+	journal *j = NULL;
+	char err[512];
+	/* Small first extents: without the reserve, the puts would grow the
+	 * file many times. */
+	journal_config jc = {.big_slots = 4, .small_slots = 8};
+	cr_assert_eq(journal_create(&jc, &j, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(journal_reserve(j, N, N + 1), 0);
+	struct stat st0, st1;
+	cr_assert_eq(fstat(journal_fd(j), &st0), 0);
+	journal_begin(j);
+	uint32_t slot = JOURNAL_NO_SLOT;
+	journal_session ses = {.id = 1, .uid = 1000};
+	cr_assert_eq(journal_put_session(j, &slot, &ses), 0);
+	for (uint64_t i = 1; i <= N; i++) {
+		journal_buffer b = {.id = i,
+				    .size = 4096,
+				    .kind = BB_HOST,
+				    .device = -1,
+				    .state = BB_READY,
+				    .producer = 1};
+		journal_hold h = {.session = 1, .buffer = i, .count = 1};
+		slot = JOURNAL_NO_SLOT;
+		cr_assert_eq(journal_put_buffer(j, &slot, &b), 0);
+		slot = JOURNAL_NO_SLOT;
+		cr_assert_eq(journal_put_hold(j, &slot, &h), 0);
+	}
+	journal_set_ids(j, &(journal_ids){.next_buffer = N + 1, .next_session = 2});
+	journal_commit(j);
+	cr_assert_eq(fstat(journal_fd(j), &st1), 0);
+	cr_assert_eq(st1.st_size, st0.st_size, "the file grew from %lld to %lld bytes",
+		     (long long)st0.st_size, (long long)st1.st_size);
+	journal_state got;
+	cr_assert_eq(journal_read(journal_fd(j), &got, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(got.n_buffers, N);
+	cr_assert_eq(got.n_holds, N);
+	cr_assert_eq(got.n_sessions, 1);
+	for (size_t i = 0; i < N; i++)
+		cr_assert_eq(got.buffers[i].id, i + 1, "read in id order");
+	expect_check_passes(&got);
+	journal_state_free(&got);
+	journal_free(j);
+}
+
 /* A state with one of everything, consistent. */
 static journal_buffer c_buf[2] = {
 	{.id = 1, .size = 4096, .kind = BB_HOST, .device = -1, .state = BB_READY, .producer = 1},
