@@ -50,8 +50,12 @@
 #define MAX_DEVS 4
 #define TOKEN_TTL_MS 300
 /* How far the daemon's RSS may end above its level after the warm-up: a
- * few MiB (it ends within a few hundred KiB). An ASan daemon also keeps
- * its quarantine (4 MiB here) and the allocator's per-thread caches. */
+ * few MiB (it ends within a few hundred KiB). Not compared for an ASan
+ * daemon: its allocator keeps every chunk it ever handed out resident
+ * (besides the quarantine), so its RSS follows the peak of live memory,
+ * which depends on how many clients happened to overlap, not on what is
+ * left; a leak there is LeakSanitizer's to find, at the daemon's clean
+ * exit (bbt_stop_clean). */
 #if defined(__SANITIZE_ADDRESS__)
 #define SOAK_ASAN 1
 #elif defined(__has_feature)
@@ -59,11 +63,16 @@
 #define SOAK_ASAN 1
 #endif
 #endif
-#ifdef SOAK_ASAN
-#define RSS_MARGIN_KB (10 * 1024)
-#else
 #define RSS_MARGIN_KB (4 * 1024)
+
+static bool rss_is_the_allocators_peak(void)
+{
+#ifdef SOAK_ASAN
+	return true;
+#else
+	return false;
 #endif
+}
 
 TestSuite(soak, .timeout = 180);
 
@@ -943,8 +952,9 @@ Test(soak, random_clients_killed_at_random_leave_the_daemon_as_they_found_it, .f
 		atomic_load(&bd->verified), atomic_load(&bd->imported),
 		atomic_load(&bd->cuda_allocs), atomic_load(&bd->cuda_checked), fds, pooled, fds0,
 		pooled0, rss, rss0);
-	/* Under valgrind RSS is the tool's, not the daemon's. */
-	if (bbt_slow() == 1)
+	/* Under valgrind RSS is the tool's, not the daemon's; under ASan, see
+	 * RSS_MARGIN_KB. */
+	if (bbt_slow() == 1 && !rss_is_the_allocators_peak())
 		cr_assert_leq(
 			rss, rss0 + RSS_MARGIN_KB,
 			"soak (seed %llu): the daemon's RSS grew from %ld KiB after the warm-up "
