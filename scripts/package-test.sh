@@ -245,17 +245,20 @@ for p in "${PKGS[@]}"; do
 	done
 done
 if [ -f systemd/bufbrokerd.conf ]; then
-	dpkg-query -W -f='${Conffiles}\n' bufbroker | grep -q ' /etc/bufbroker/bufbrokerd.conf ' ||
+	dpkg-query -W -f='${Conffiles}\n' bufbroker | grep ' /etc/bufbroker/bufbrokerd.conf ' >/dev/null ||
 		fail "/etc/bufbroker/bufbrokerd.conf is not a conffile"
 fi
 exec_start="$(sed -n 's/^ExecStart=\([^ ]*\).*/\1/p' /lib/systemd/system/bufbrokerd.service)"
 [ -x "$exec_start" ] || fail "the service's ExecStart=$exec_start is not an installed program"
 if readelf -d /usr/sbin/bufbrokerd /usr/bin/bufbroker "/usr/lib/$MA/libbufbroker.so.0" |
-	grep -qE 'RPATH|RUNPATH'; then
+	grep -E 'RPATH|RUNPATH' >/dev/null; then
 	fail "an installed binary carries an RPATH into the build tree"
 fi
-# (/lib is /usr/lib on merged-/usr systems.)
-ldconfig -p | grep -qE "libbufbroker\.so\.0 .*=> (/usr)?/lib/$MA/libbufbroker\.so\.0\$" ||
+# (/lib is /usr/lib on merged-/usr systems.) No `grep -q` after a pipe in
+# this script: it exits at its first match, the writer then dies of SIGPIPE,
+# and pipefail turns the match into a failure (it did: "bb-consumer does not
+# load the installed libbufbroker.so.0" with the right ldd line).
+ldconfig -p | grep -E "libbufbroker\.so\.0 .*=> (/usr)?/lib/$MA/libbufbroker\.so\.0\$" >/dev/null ||
 	fail "libbufbroker.so.0 is not in the linker cache (the ldconfig trigger)"
 
 # ---- the installed daemon serves -----------------------------------------
@@ -287,8 +290,9 @@ for ex in producer consumer; do
 		$(pkg-config --cflags --libs bufbroker) ||
 		fail "building $ex.c with pkg-config bufbroker"
 done
-ldd "$TMP/bb-consumer" | grep -qE "libbufbroker\.so\.0 => (/usr)?/lib/$MA/libbufbroker\.so\.0 " ||
-	fail "bb-consumer does not load the installed libbufbroker.so.0"
+ldd "$TMP/bb-consumer" >"$TMP/ldd.out" 2>&1 || true
+grep -qE "libbufbroker\.so\.0 => (/usr)?/lib/$MA/libbufbroker\.so\.0 " "$TMP/ldd.out" ||
+	fail "bb-consumer does not load the installed libbufbroker.so.0: ldd says $(tr '\n\t' '  ' <"$TMP/ldd.out")"
 
 bb_log "package-test: building the consumer with find_package(bufbroker)"
 mkdir -p "$TMP/cm"
@@ -365,7 +369,7 @@ for p in "${PKGS[@]}"; do
 	done <"$TMP/$p.list"
 done
 [ ! -e /etc/bufbroker ] || fail "/etc/bufbroker is still there after dpkg --purge"
-if ldconfig -p | grep -q 'libbufbroker\.so\.0 '; then
+if ldconfig -p | grep 'libbufbroker\.so\.0 ' >/dev/null; then
 	fail "libbufbroker.so.0 is still in the linker cache after purge"
 fi
 
