@@ -274,6 +274,10 @@ static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 	family(f, "bufbroker_restart_unprotected_buffers", "gauge",
 	       "Live buffers whose fd could not be put in the fd store: lost at a restart.");
 	fprintf(f, "bufbroker_restart_unprotected_buffers %" PRIu64 "\n", rs->unprotected);
+	family(f, "bufbroker_restart_fdstore_bundles", "gauge",
+	       "Bundles in systemd's fd store: each holds up to 64 buffers' and VMM "
+	       "allocations' fds.");
+	fprintf(f, "bufbroker_restart_fdstore_bundles %" PRIu64 "\n", rs->bundles);
 	family(f, "bufbroker_restart_absent_sessions", "gauge",
 	       "Sessions restored from the kept state that no client has resumed yet.");
 	fprintf(f, "bufbroker_restart_absent_sessions %" PRIu32 "\n", rs->absent_sessions);

@@ -22,6 +22,7 @@
 
 #include <systemd/sd-daemon.h>
 #include <uthash.h>
+#include <utlist.h>
 
 #include "journal.h"
 #include "log.h"
@@ -55,15 +56,61 @@
 #define RESTART_NAMES_MAX \
 	(RESTART_ENV_MAX - sizeof("LISTEN_FDNAMES=") - 256 - 2 * NAME_MAX_LEN - 1024)
 
+/* Kept fds per bundle: a rebuild resends at most this many, and the
+ * store needs one entry per this many kept fds (docs/RESTART.md,
+ * "Bundles"). Well under what a socket's send buffer holds (about 270
+ * messages at the default 208 KiB). */
+#define BUNDLE_MAX 64
+
+typedef struct bundle bundle;
+
 /* One kept fd: a live buffer's memfd or a VMM allocation's fd, by id; or,
  * at the start, one that was passed to us. */
 typedef struct kept {
 	uint64_t id;       /* buffer or allocation id */
 	int fd;            /* borrowed from the backend once live; passed: ours, -1 once adopted */
 	uint32_t buffers;  /* allocations: live buffers in it */
-	bool stored;       /* in the fd store (an add that failed: not) */
+	char letter;       /* 'b' host buffer, 'a' VMM allocation */
+	bool named;        /* in the store under its own name ("b<id>", as an
+			    * earlier daemon kept it): removed once bundled */
+	bundle *bundle;    /* live: the bundle whose queue holds it (a
+			    * member); passed: where it was found; NULL: none */
+	struct kept *bprev, *bnext; /* live: the bundle's members (utlist DL) */
 	UT_hash_handle hh; /* in one of restart's tables */
 } kept;
+
+/* A bundle (docs/RESTART.md, "Bundles"): a datagram socketpair whose
+ * receiving end is in the store as "k<n>" and whose queue holds one
+ * message per kept fd, the fd attached (SCM_RIGHTS) to a bundle_rec that
+ * names it. */
+struct bundle {
+	uint64_t n;       /* "k<n>" */
+	int rx;           /* the stored end, holding the queue; ours too (an upgrade passes it) */
+	int tx;           /* the sending end while open; -1 once sealed, or passed */
+	uint32_t entries; /* messages in rx's queue */
+	uint32_t members; /* of them, live kept fds (the members list) */
+	bool dirty;       /* in restart's dirty list: rebuilt at restart_flush */
+	bool rebuild;     /* rebuilt even if every message names a member (a name passed twice) */
+	kept *first;      /* the members (kept.bprev/bnext) */
+	bundle *prev, *next; /* restart's bundles (utlist DL) */
+	bundle *dnext;       /* restart's dirty list */
+};
+
+/* What one message of a bundle says of its fd. */
+typedef struct bundle_rec {
+	uint8_t magic[2]; /* 'b', 'k' */
+	uint8_t version;  /* BUNDLE_REC_VERSION */
+	uint8_t letter;   /* 'b' host buffer, 'a' VMM allocation */
+	uint32_t zero;    /* 0 */
+	uint64_t id;      /* the buffer's or allocation's id, host byte order */
+} bundle_rec;
+
+#define BUNDLE_REC_VERSION 1
+
+/* The two open bundles: new fds go to the fresh one, fds a rebuild moves
+ * to the tenured one (they have lived through a rebuild already: kept
+ * apart from the churn of new ones, they are seldom moved again). */
+enum { BUNDLE_FRESH, BUNDLE_TENURED };
 
 /* A journal that was passed (journal-G). */
 typedef struct passed_journal {
@@ -85,8 +132,13 @@ struct restart {
 	bool restoring;                 /* inside broker_restore: the fds are stored already */
 	kept *pbufs;                    /* passed b<id>, until adopted or closed */
 	kept *pallocs;                  /* passed a<id>, until adopted or closed */
+	bundle *bundles;                /* in the store (made here or passed) */
+	bundle *open[2];                /* BUNDLE_FRESH, BUNDLE_TENURED; NULL: none open */
+	bundle *dirty;                  /* bundles that lost a member this turn */
+	uint64_t next_bundle;           /* the next bundle's number */
 	size_t names_max;               /* RESTART_NAMES_MAX, or the test's bound */
 	bool warned_names;              /* the first add past names_max was logged */
+	bool warned_bundle;             /* the first bundle failure was logged */
 	passed_journal *journals;       /* passed journal-G, highest first */
 	size_t njournals;               /* entries of journals */
 	char (*others)[NAME_MAX_LEN];   /* passed fds of unknown names: removed */
@@ -133,6 +185,8 @@ int restart_name_parse(const char *name, uint64_t *id)
 		return parse_decimal(name + 1, id) ? RESTART_NAME_OTHER : RESTART_NAME_BUFFER;
 	if (name[0] == 'a')
 		return parse_decimal(name + 1, id) ? RESTART_NAME_OTHER : RESTART_NAME_ALLOCATION;
+	if (name[0] == 'k')
+		return parse_decimal(name + 1, id) ? RESTART_NAME_OTHER : RESTART_NAME_BUNDLE;
 	return RESTART_NAME_OTHER;
 }
 
@@ -178,10 +232,13 @@ static int notify(restart *r, const char *msg, int fd)
 	return n < 0 ? (int)n : 0;
 }
 
-static int store_add(restart *r, const char *name, int fd)
+/* Store fd under name. A bundle's receiving end says FDPOLL=0: systemd
+ * would otherwise drop a stored fd that reports an error or a hangup, and
+ * a bundle is kept for its queue alone. */
+static int store_add(restart *r, const char *name, int fd, bool bundle)
 {
 	char msg[64 + NAME_MAX_LEN];
-	snprintf(msg, sizeof(msg), "FDSTORE=1\nFDNAME=%s", name);
+	snprintf(msg, sizeof(msg), "FDSTORE=1\nFDNAME=%s%s", name, bundle ? "\nFDPOLL=0" : "");
 	int rc = notify(r, msg, fd);
 	if (rc < 0)
 		r->stats.store_errors++;
@@ -214,10 +271,220 @@ static void store_remove(restart *r, const char *name)
 	snprintf(r->removals[r->nremovals++], NAME_MAX_LEN, "%s", name);
 }
 
+static void name_of(char *out, char letter, uint64_t id)
+{
+	snprintf(out, NAME_MAX_LEN, "%c%" PRIu64, letter, id);
+}
+
+/* ---- bundles ------------------------------------------------------------------- */
+
+/*
+ * The store holds no buffer's fd by itself: systemd passes one name per
+ * stored fd in one environment string (LISTEN_FDNAMES, which the kernel
+ * bounds at 128 KiB) and compares each fd it is given with every one it
+ * has. A bundle holds up to BUNDLE_MAX kept fds for one stored fd and one
+ * short name (docs/RESTART.md, "Bundles"):
+ *
+ * - A new fd is sent (the daemon's own fd, again) to the open fresh
+ *   bundle. A bundle is sealed, its sending end closed, once it has
+ *   BUNDLE_MAX messages or its queue is full; the store has its receiving
+ *   end from the moment it is made.
+ * - A message cannot be taken out of a queue, and it keeps its file (and a
+ *   closed memfd's pages) alive. So a bundle that lost a member is rebuilt
+ *   at the end of the loop turn: its live members are sent to the tenured
+ *   bundle, then it leaves the store and is closed. A crash in between
+ *   leaves a member in two bundles: one file, found twice, kept once.
+ * - At the end of a turn every bundle but the two open ones holds
+ *   BUNDLE_MAX live fds: ceil(kept fds / BUNDLE_MAX) + 2 bundles.
+ */
+
+static size_t bundle_name(char *out, uint64_t n)
+{
+	return (size_t)snprintf(out, NAME_MAX_LEN, "k%" PRIu64, n);
+}
+
+static void bundle_seal(restart *r, bundle *b)
+{
+	if (b->tx >= 0)
+		close(b->tx);
+	b->tx = -1;
+	for (int i = 0; i < 2; i++)
+		if (r->open[i] == b)
+			r->open[i] = NULL;
+}
+
+/* Out of the store and closed; its messages' fds with it. */
+static void bundle_drop(restart *r, bundle *b)
+{
+	char name[NAME_MAX_LEN];
+	size_t cost = bundle_name(name, b->n) + 1;
+	store_remove_now(r, name);
+	bundle_seal(r, b);
+	close(b->rx);
+	DL_DELETE(r->bundles, b);
+	r->stats.names_bytes -= cost;
+	r->stats.bundles--;
+	free(b);
+}
+
+static void bundle_warn(restart *r, const char *what, int err)
+{
+	if (r->warned_bundle)
+		return;
+	r->warned_bundle = true;
+	log_warn("event=fdstore_bundle_failed what=\"%s\" error=\"%s\" note=\"buffers past it are "
+		 "served, but lost at a restart; further failures are counted "
+		 "(bufbroker_restart_unprotected_buffers), not logged\"",
+		 what, strerror(err));
+}
+
+/* A new bundle, stored, open as r->open[which]; NULL when none can be had
+ * (the names bound, the store's size, no socket, the store refusing). */
+static bundle *bundle_open(restart *r, int which)
+{
+	char name[NAME_MAX_LEN];
+	size_t cost = bundle_name(name, r->next_bundle) + 1;
+	if (r->stats.names_bytes + cost > r->names_max) {
+		/* Stored, it would keep the daemon from starting again. */
+		if (!r->warned_names) {
+			r->warned_names = true;
+			log_warn("event=fdstore_names_full name=%s names_bytes=%" PRIu64
+				 " names_max=%zu note=\"served, but lost at a restart: "
+				 "LISTEN_FDNAMES would pass the kernel's 128 KiB bound; further "
+				 "buffers are counted, not logged\"",
+				 name, r->stats.names_bytes, r->names_max);
+		}
+		return NULL;
+	}
+	/* Within FileDescriptorStoreMax when it is known: two journals (the
+	 * handover at a start) and the bundles. */
+	if (r->cfg.store_max && r->stats.bundles + 2 >= r->cfg.store_max) {
+		bundle_warn(r, "the fd store is full (FileDescriptorStoreMax)", ENOSPC);
+		return NULL;
+	}
+	int sv[2];
+	if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv) < 0) {
+		bundle_warn(r, "socketpair", errno);
+		return NULL;
+	}
+	bundle *b = calloc(1, sizeof(*b));
+	int rc = b ? store_add(r, name, sv[1], true) : -ENOMEM;
+	if (rc < 0) {
+		bundle_warn(r, "storing a bundle", -rc);
+		close(sv[0]);
+		close(sv[1]);
+		free(b);
+		return NULL;
+	}
+	b->n = r->next_bundle++;
+	b->tx = sv[0];
+	b->rx = sv[1];
+	DL_APPEND(r->bundles, b);
+	r->stats.names_bytes += cost;
+	r->stats.bundles++;
+	r->open[which] = b;
+	return b;
+}
+
+/* Send k's fd to the open bundle `which` (one made when there is none or
+ * it is full) and make k its member. 0, or -1: k is in no bundle. */
+static int bundle_put(restart *r, kept *k, int which)
+{
+	for (int tries = 0; tries < 2; tries++) {
+		bundle *b = r->open[which];
+		if (b && b->entries >= BUNDLE_MAX) {
+			bundle_seal(r, b);
+			b = NULL;
+		}
+		if (!b && !(b = bundle_open(r, which)))
+			return -1;
+		bundle_rec rec = {.magic = {'b', 'k'},
+				  .version = BUNDLE_REC_VERSION,
+				  .letter = (uint8_t)k->letter,
+				  .id = k->id};
+		ssize_t n = msgio_send(b->tx, &rec, sizeof(rec), k->fd);
+		if (n == (ssize_t)sizeof(rec)) {
+			k->bundle = b;
+			DL_APPEND2(b->first, k, bprev, bnext);
+			b->entries++;
+			b->members++;
+			return 0;
+		}
+		/* Its queue is full (its send buffer), or the send failed: no
+		 * more into this one. */
+		bundle_seal(r, b);
+		if (!b->entries)
+			bundle_drop(r, b);
+		if (n != -EAGAIN && n != -ENOBUFS) {
+			bundle_warn(r, "sending an fd to a bundle", n < 0 ? (int)-n : EIO);
+			return -1;
+		}
+	}
+	return -1;
+}
+
+static void bundle_dirty(restart *r, bundle *b)
+{
+	if (b->dirty)
+		return;
+	b->dirty = true;
+	b->dnext = r->dirty;
+	r->dirty = b;
+}
+
+/* k leaves its bundle's members (it is freed, or moved). */
+static void bundle_leave(restart *r, kept *k)
+{
+	bundle *b = k->bundle;
+	DL_DELETE2(b->first, k, bprev, bnext);
+	k->bprev = k->bnext = NULL;
+	b->members--;
+	k->bundle = NULL;
+	bundle_dirty(r, b);
+}
+
+/* Rebuild the bundles that lost members: every member moved to the
+ * tenured bundle first, then the emptied ones out of the store. A member
+ * that cannot be moved keeps its bundle in the store. */
+static void bundles_rebuild(restart *r)
+{
+	bundle *drop = NULL;
+	for (bundle *b = r->dirty, *next; b; b = next) {
+		next = b->dnext;
+		b->dirty = false;
+		if (b->members && b->members == b->entries && !b->rebuild)
+			continue; /* whole again (an empty one goes) */
+		bundle_seal(r, b);
+		bool all = true;
+		kept *k, *tmp;
+		DL_FOREACH_SAFE2(b->first, k, tmp, bnext) {
+			DL_DELETE2(b->first, k, bprev, bnext);
+			k->bundle = NULL;
+			b->members--;
+			if (bundle_put(r, k, BUNDLE_TENURED) < 0) {
+				k->bundle = b;
+				DL_APPEND2(b->first, k, bprev, bnext);
+				b->members++;
+				all = false;
+			}
+		}
+		if (all) {
+			b->dnext = drop;
+			drop = b;
+		}
+	}
+	r->dirty = NULL;
+	for (bundle *b = drop, *next; b; b = next) {
+		next = b->dnext;
+		bundle_drop(r, b);
+	}
+}
+
 void restart_flush(restart *r)
 {
 	if (!r)
 		return;
+	bundles_rebuild(r);
 	for (size_t i = 0; i < r->nremovals; i++)
 		store_remove_now(r, r->removals[i]);
 	r->nremovals = 0;
@@ -232,120 +499,107 @@ static kept *kept_find(kept *table, uint64_t id)
 	return k;
 }
 
-/* Add what a restart needs under name: stored unless there is no store;
- * an add that fails leaves the fd served but unprotected. */
-static void kept_store(restart *r, kept *k, const char *name)
-{
-	size_t cost = strlen(name) + 1; /* and a ':' in LISTEN_FDNAMES */
-	if (r->restoring) {
-		k->stored = r->store; /* the store has it under this name already */
-		if (k->stored)
-			r->stats.names_bytes += cost;
-		return;
-	}
-	if (!r->store)
-		return;
-	if (r->stats.names_bytes + cost > r->names_max) {
-		/* Stored, it would keep the daemon from starting again. */
-		r->stats.unprotected++;
-		if (!r->warned_names) {
-			r->warned_names = true;
-			log_warn("event=fdstore_names_full name=%s names_bytes=%" PRIu64
-				 " names_max=%zu note=\"served, but lost at a restart: "
-				 "LISTEN_FDNAMES would pass the kernel's 128 KiB bound; further "
-				 "buffers are counted, not logged\"",
-				 name, r->stats.names_bytes, r->names_max);
-		}
-		return;
-	}
-	/* Removals first: a freed memfd may come back from the pool as this
-	 * one, and a store that has the file already would not take it
-	 * again under the new name. */
-	restart_flush(r);
-	int rc = store_add(r, name, k->fd);
-	if (rc == 0) {
-		k->stored = true;
-		r->stats.names_bytes += cost;
-		return;
-	}
-	r->stats.unprotected++;
-	if (!r->warned_unprotected) {
-		r->warned_unprotected = true;
-		log_warn("event=fdstore_add_failed name=%s error=\"%s\" note=\"served, but lost "
-			 "at a restart; further failures are counted, not logged\"",
-			 name, strerror(-rc));
-	}
-}
-
-static void kept_forget(restart *r, kept **table, kept *k, const char *name)
-{
-	if (k->stored) {
-		store_remove(r, name);
-		r->stats.names_bytes -= strlen(name) + 1;
-	} else if (r->store && !r->restoring)
-		r->stats.unprotected--;
-	HASH_DEL(*table, k);
-	free(k);
-}
-
-static kept *kept_add(kept **table, uint64_t id, int fd)
+static kept *kept_add(kept **table, uint64_t id, int fd, char letter)
 {
 	kept *k = calloc(1, sizeof(*k));
 	if (!k)
 		return NULL;
 	k->id = id;
 	k->fd = fd;
+	k->letter = letter;
 	HASH_ADD(hh, *table, id, sizeof(k->id), k);
 	return k;
 }
 
-/* Keep fd under <letter><id> in table (a second store of an allocation
- * it has is a no-op add). */
-static void store_one(restart *r, kept **table, char letter, uint64_t id, int fd)
+static void count_unprotected(restart *r, const kept *k)
 {
-	char name[NAME_MAX_LEN];
-	snprintf(name, sizeof(name), "%c%" PRIu64, letter, id);
-	kept *k = kept_find(*table, id);
-	if (k)
+	r->stats.unprotected++;
+	if (!r->warned_unprotected) {
+		r->warned_unprotected = true;
+		char name[NAME_MAX_LEN];
+		name_of(name, k->letter, k->id);
+		log_warn("event=fdstore_add_failed name=%s note=\"served, but lost at a restart; "
+			 "further failures are counted, not logged\"",
+			 name);
+	}
+}
+
+/* Keep fd under <letter><id> in table (a second store of an allocation
+ * it has is a no-op add): in a bundle when there is a store. Inside
+ * broker_restore the fd is in the store already: in the bundle it was
+ * found in, or under its own name (then it is bundled now, and that name
+ * removed). */
+static void store_one(restart *r, kept **table, kept *passed, char letter, uint64_t id, int fd)
+{
+	if (kept_find(*table, id))
 		return;
-	if (!(k = kept_add(table, id, fd))) {
+	kept *k = kept_add(table, id, fd, letter);
+	if (!r->store)
+		return;
+	if (!k) {
 		r->stats.unprotected++;
 		return;
 	}
-	kept_store(r, k, name);
+	kept *p = r->restoring ? kept_find(passed, id) : NULL;
+	if (p && p->bundle) {
+		k->bundle = p->bundle;
+		DL_APPEND2(k->bundle->first, k, bprev, bnext);
+		k->bundle->members++;
+		return;
+	}
+	k->named = p && p->named;
+	if (bundle_put(r, k, BUNDLE_FRESH) < 0) {
+		if (!k->named)
+			count_unprotected(r, k);
+		return;
+	}
+	if (k->named) {
+		char name[NAME_MAX_LEN];
+		name_of(name, letter, id);
+		store_remove(r, name);
+		k->named = false;
+	}
 }
 
-static void unstore_one(restart *r, kept **table, char letter, uint64_t id)
+static void unstore_one(restart *r, kept **table, uint64_t id)
 {
-	char name[NAME_MAX_LEN];
 	kept *k = kept_find(*table, id);
 	if (!k) {
-		if (r->stats.unprotected)
+		if (r->store && r->stats.unprotected)
 			r->stats.unprotected--; /* it had no entry: it was counted */
 		return;
 	}
-	snprintf(name, sizeof(name), "%c%" PRIu64, letter, id);
-	kept_forget(r, table, k, name);
+	if (k->bundle) {
+		bundle_leave(r, k);
+	} else if (k->named) {
+		char name[NAME_MAX_LEN];
+		name_of(name, k->letter, k->id);
+		store_remove(r, name);
+	} else if (r->store) {
+		r->stats.unprotected--;
+	}
+	HASH_DEL(*table, k);
+	free(k);
 }
 
 void restart_store_buffer(restart *r, uint64_t id, int fd)
 {
-	store_one(r, &r->bufs, 'b', id, fd);
+	store_one(r, &r->bufs, r->pbufs, 'b', id, fd);
 }
 
 void restart_unstore_buffer(restart *r, uint64_t id)
 {
-	unstore_one(r, &r->bufs, 'b', id);
+	unstore_one(r, &r->bufs, id);
 }
 
 void restart_store_allocation(restart *r, uint64_t id, int fd)
 {
-	store_one(r, &r->allocs, 'a', id, fd);
+	store_one(r, &r->allocs, r->pallocs, 'a', id, fd);
 }
 
 void restart_unstore_allocation(restart *r, uint64_t id)
 {
-	unstore_one(r, &r->allocs, 'a', id);
+	unstore_one(r, &r->allocs, id);
 }
 
 void restart_keep(void *ctx, const broker_kept *k, bool live)
@@ -381,6 +635,22 @@ void restart_keep(void *ctx, const broker_kept *k, bool live)
 	}
 }
 
+/* fn for each kept fd of table that no bundle holds. */
+static int each_unbundled(kept *table, size_t *n, int (*fn)(void *ctx, const char *name, int fd),
+			  void *ctx)
+{
+	char name[NAME_MAX_LEN];
+	for (kept *k = table; k; k = k->hh.next) {
+		if (k->bundle)
+			continue;
+		name_of(name, k->letter, k->id);
+		++*n;
+		if (fn(ctx, name, k->fd))
+			return 1;
+	}
+	return 0;
+}
+
 size_t restart_each_fd(restart *r, int (*fn)(void *ctx, const char *name, int fd), void *ctx)
 {
 	char name[NAME_MAX_LEN];
@@ -391,18 +661,38 @@ size_t restart_each_fd(restart *r, int (*fn)(void *ctx, const char *name, int fd
 	n++;
 	if (fn(ctx, name, journal_fd(r->j)))
 		return n;
-	for (kept *k = r->bufs; k; k = k->hh.next) {
-		snprintf(name, sizeof(name), "b%" PRIu64, k->id);
+	for (bundle *b = r->bundles; b; b = b->next) {
+		bundle_name(name, b->n);
 		n++;
-		if (fn(ctx, name, k->fd))
+		if (fn(ctx, name, b->rx))
 			return n;
 	}
-	for (kept *k = r->allocs; k; k = k->hh.next) {
-		snprintf(name, sizeof(name), "a%" PRIu64, k->id);
-		n++;
-		if (fn(ctx, name, k->fd))
-			return n;
-	}
+	if (!each_unbundled(r->bufs, &n, fn, ctx))
+		each_unbundled(r->allocs, &n, fn, ctx);
+	return n;
+}
+
+uint64_t restart_bundle_fds(const restart *r, uint64_t kept_fds)
+{
+	if (!r || !r->cfg.journal || !r->notify)
+		return 0;
+	/* Each bundle's receiving end, the two open ones' sending ends, and
+	 * a rebuild's new bundle before the old one goes. */
+	return (kept_fds + BUNDLE_MAX - 1) / BUNDLE_MAX + 6;
+}
+
+uint64_t restart_store_need(uint64_t kept_fds)
+{
+	/* The bundles (BUNDLE_MAX fds each, two of them open), a rebuild's
+	 * new one, and two journals (the handover at a start). */
+	return (kept_fds + BUNDLE_MAX - 1) / BUNDLE_MAX + 5;
+}
+
+uint64_t restart_held_fds(const restart *r)
+{
+	uint64_t n = 0;
+	for (bundle *b = r ? r->bundles : NULL; b; b = b->next)
+		n += 1 + (b->tx >= 0);
 	return n;
 }
 
@@ -419,6 +709,94 @@ static int compare_journals(const void *x, const void *y)
 {
 	const passed_journal *a = x, *b = y;
 	return a->generation < b->generation ? 1 : a->generation > b->generation ? -1 : 0;
+}
+
+/* A passed bundle: each message's fd to pbufs or pallocs, unless that id
+ * has one already (a member moved by a rebuild the last daemon did not
+ * finish: one file, kept once). The messages are peeked, never taken:
+ * the store keeps them until this daemon has them in bundles of its own. */
+static void bundle_take(restart *r, uint64_t n, int fd)
+{
+	bundle *b = calloc(1, sizeof(*b));
+	char name[NAME_MAX_LEN];
+	if (!b) {
+		snprintf(r->others[r->nothers], NAME_MAX_LEN, "k%" PRIu64, n);
+		r->other_fds[r->nothers++] = fd;
+		return;
+	}
+	b->n = n;
+	b->rx = fd;
+	b->tx = -1;
+	/* Two stored fds of one name: one removal takes both, so both are
+	 * rebuilt (moved first, then removed). */
+	for (bundle *o = r->bundles; o; o = o->next)
+		if (o->n == n)
+			o->rebuild = b->rebuild = true;
+	DL_APPEND(r->bundles, b);
+	r->stats.bundles++;
+	r->stats.names_bytes += bundle_name(name, n) + 1;
+	if (n >= r->next_bundle)
+		r->next_bundle = n + 1;
+	/* The peek offset is the socket's, shared with the store's copy: a
+	 * daemon that died while peeking left it where it stopped. */
+	int off = 0;
+	if (setsockopt(fd, SOL_SOCKET, SO_PEEK_OFF, &off, sizeof(off)) < 0) {
+		log_warn("event=bundle_unreadable name=%s error=\"%s\"", name, strerror(errno));
+		b->rebuild = true;
+		return;
+	}
+	for (;;) {
+		bundle_rec rec;
+		struct iovec iov = {.iov_base = &rec, .iov_len = sizeof(rec)};
+		union {
+			char buf[CMSG_SPACE(4 * sizeof(int))];
+			struct cmsghdr align;
+		} ctl;
+		struct msghdr m = {.msg_iov = &iov,
+				   .msg_iovlen = 1,
+				   .msg_control = ctl.buf,
+				   .msg_controllen = sizeof(ctl.buf)};
+		ssize_t got = recvmsg(fd, &m, MSG_PEEK | MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got < 0) {
+			if (errno != EAGAIN)
+				log_warn("event=bundle_unreadable name=%s error=\"%s\"", name,
+					 strerror(errno));
+			break;
+		}
+		b->entries++;
+		int mfd = -1, nfds = 0;
+		for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+			if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+				continue;
+			size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+			for (size_t i = 0; i < k; i++) {
+				int x;
+				memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+				if (nfds++ == 0)
+					mfd = x;
+				else
+					close(x);
+			}
+		}
+		bool ok = got == (ssize_t)sizeof(rec) && nfds == 1 &&
+			  !(m.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && rec.magic[0] == 'b' &&
+			  rec.magic[1] == 'k' && rec.version == BUNDLE_REC_VERSION && !rec.zero &&
+			  rec.id && (rec.letter == 'b' || rec.letter == 'a');
+		kept **table = rec.letter == 'b' ? &r->pbufs : &r->pallocs;
+		kept *p = ok && !kept_find(*table, rec.id)
+				  ? kept_add(table, rec.id, mfd, (char)rec.letter)
+				  : NULL;
+		if (p)
+			p->bundle = b;
+		else if (mfd >= 0)
+			close(mfd); /* not a member: the bundle is rebuilt */
+		if (b->entries > (1u << 20))
+			break; /* no bundle this daemon makes is near it */
+	}
+	off = -1;
+	setsockopt(fd, SOL_SOCKET, SO_PEEK_OFF, &off, sizeof(off));
 }
 
 /* Sort what LISTEN_FDS passed. -1 with why when it cannot be used at all. */
@@ -440,6 +818,7 @@ static int take_passed(restart *r, char *why, size_t len)
 		int fd = SD_LISTEN_FDS_START + i;
 		const char *name = names ? names[i] : NULL;
 		uint64_t id = 0;
+		kept *p;
 		int type = restart_name_parse(name, &id);
 		if (rc < 0) {
 			close(fd);
@@ -457,12 +836,14 @@ static int take_passed(restart *r, char *why, size_t len)
 			r->listen_fd = fd;
 		} else if (type == RESTART_NAME_JOURNAL) {
 			r->journals[r->njournals++] = (passed_journal){.generation = id, .fd = fd};
+		} else if (type == RESTART_NAME_BUNDLE) {
+			bundle_take(r, id, fd);
 		} else if (type == RESTART_NAME_BUFFER && !kept_find(r->pbufs, id) &&
-			   kept_add(&r->pbufs, id, fd)) {
-			/* one fd per name: a second b<id> is an orphan */
+			   (p = kept_add(&r->pbufs, id, fd, 'b'))) {
+			p->named = true; /* one fd per name: a second b<id> is an orphan */
 		} else if (type == RESTART_NAME_ALLOCATION && !kept_find(r->pallocs, id) &&
-			   kept_add(&r->pallocs, id, fd)) {
-			/* likewise a second a<id> */
+			   (p = kept_add(&r->pallocs, id, fd, 'a'))) {
+			p->named = true; /* likewise a second a<id> */
 		} else {
 			/* A duplicate, or a name this daemon does not make:
 			 * removed and closed at the start. */
@@ -494,6 +875,7 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	r->notify_fd = -1;
 	r->stats.journal_fd = -1;
 	r->listen_fd = -1;
+	r->next_bundle = 1; /* "k0" would not parse: no leading zero */
 	r->new_at_us = mono_us();
 	if (take_passed(r, why, len) < 0)
 		return -1;
@@ -599,33 +981,37 @@ static int restore_mem(void *ctx, backend *be, const journal_buffer *rec, backen
 	return 0;
 }
 
-/* Close and remove every passed fd that is not in use: the orphans after a
- * restore, everything after a refusal. */
-static void drop_passed(restart *r, bool journals)
+/* Close every passed fd of table that is not in use (an fd passed by its
+ * own name also leaves the store; one found in a bundle makes the bundle
+ * short of a member, so it is rebuilt), and forget them all. */
+static void drop_table(restart *r, kept **table)
 {
 	char name[NAME_MAX_LEN];
 	kept *k, *tmp;
-	HASH_ITER (hh, r->pbufs, k, tmp) {
+	HASH_ITER (hh, *table, k, tmp) {
+		/* Adopted: the live table has it (and its place in the store). */
 		if (k->fd >= 0) {
-			snprintf(name, sizeof(name), "b%" PRIu64, k->id);
-			store_remove_now(r, name);
+			if (k->named) {
+				name_of(name, k->letter, k->id);
+				store_remove_now(r, name);
+			}
 			close(k->fd);
 			r->stats.orphans_closed++;
 		}
-		HASH_DEL(r->pbufs, k);
+		HASH_DEL(*table, k);
 		free(k);
 	}
-	HASH_ITER (hh, r->pallocs, k, tmp) {
-		/* Adopted: in the store under its name still (restart_keep). */
-		if (k->fd >= 0) {
-			snprintf(name, sizeof(name), "a%" PRIu64, k->id);
-			store_remove_now(r, name);
-			close(k->fd);
-			r->stats.orphans_closed++;
-		}
-		HASH_DEL(r->pallocs, k);
-		free(k);
-	}
+}
+
+/* Close and remove every passed fd that is not in use: the orphans after a
+ * restore, everything after a refusal; and rebuild the passed bundles that
+ * hold an fd no live buffer or allocation has (every one after a refusal:
+ * they have no member left). */
+static void drop_passed(restart *r, bool journals)
+{
+	char name[NAME_MAX_LEN];
+	drop_table(r, &r->pbufs);
+	drop_table(r, &r->pallocs);
 	for (size_t i = 0; i < r->nothers; i++) {
 		if (r->others[i][0])
 			store_remove_now(r, r->others[i]);
@@ -640,6 +1026,10 @@ static void drop_passed(restart *r, bool journals)
 	}
 	if (journals)
 		r->njournals = 0;
+	for (bundle *b = r->bundles; b; b = b->next)
+		if (b->members < b->entries || !b->members || b->rebuild)
+			bundle_dirty(r, b); /* an empty one: made just before a crash */
+	restart_flush(r);
 }
 
 int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *listen_fd, char *why,
@@ -708,7 +1098,7 @@ int restart_start(restart *r, broker *b, backend *host, backend *cuda, int *list
 	char name[NAME_MAX_LEN];
 	uint64_t t = mono_us();
 	snprintf(name, sizeof(name), "journal-%" PRIu64, r->generation);
-	r->stats.protected_by_store = r->store && store_add(r, name, journal_fd(r->j)) == 0;
+	r->stats.protected_by_store = r->store && store_add(r, name, journal_fd(r->j), false) == 0;
 	if (r->store && !r->stats.protected_by_store)
 		log_warn("event=fdstore_add_failed name=%s note=\"the state will not survive a "
 			 "restart\"",
@@ -764,6 +1154,16 @@ void restart_free(restart *r)
 			close(k->fd);
 		HASH_DEL(r->pallocs, k);
 		free(k);
+	}
+	/* The store keeps the bundles it has (a stop keeps what a restart
+	 * needs; systemd drops the store when the unit stops). */
+	bundle *b, *btmp;
+	DL_FOREACH_SAFE (r->bundles, b, btmp) {
+		if (b->tx >= 0)
+			close(b->tx);
+		close(b->rx);
+		DL_DELETE(r->bundles, b);
+		free(b);
 	}
 	for (size_t i = 0; i < r->njournals; i++)
 		close(r->journals[i].fd);

@@ -402,7 +402,10 @@ static int fd_budget(const server *s, const server_config *cfg, uint64_t *host_b
 	 * max_vmm_allocations, which takes effect at start); none when CUDA
 	 * is not served. */
 	uint64_t vmm = s->cuda ? backend_cuda_config_of(s->cuda)->vmm_allocations : 0;
-	uint64_t fixed = s->fds_own + SERVER_FDS_SPARE + cfg->host_pool;
+	/* The fd store's bundles (docs/RESTART.md, "Bundles"): bounded for as
+	 * many kept fds as the limit allows at all. */
+	uint64_t fixed = s->fds_own + SERVER_FDS_SPARE + cfg->host_pool +
+			 restart_bundle_fds(s->restart, s->nofile);
 	uint64_t conns = (uint64_t)l->connections * SERVER_FDS_PER_CONN;
 	if (fixed + conns >= s->nofile) {
 		uint64_t most =
@@ -466,6 +469,10 @@ static int fds_start(server *s, const server_config *cfg)
 	broker_totals_get(s->b, &t);
 	if (own > 0 && s->fds_own > t.buffers[BB_HOST] + 1)
 		s->fds_own -= t.buffers[BB_HOST];
+	/* Likewise the bundles a restart kept: fd_budget counts them. */
+	uint64_t held = restart_held_fds(s->restart);
+	if (own > 0 && s->fds_own > held + 1)
+		s->fds_own -= held;
 	if (fd_budget(s, cfg, &s->host_buffers, why, sizeof(why)) < 0) {
 		log_error("event=start_failed error=\"%s\"", why);
 		return -1;
@@ -779,13 +786,14 @@ static void on_grace(uv_timer_t *t)
 	}
 }
 
-/* The store must hold one fd per host buffer, one per VMM allocation and
- * two journals (docs/OPERATIONS.md, "Restarts and upgrades"). */
+/* The store must hold a bundle per 64 kept fds (host buffers and VMM
+ * allocations), a few more and two journals (docs/OPERATIONS.md, "Restarts
+ * and upgrades"). */
 static void check_store_max(server *s)
 {
 	uint64_t max = s->restart ? restart_config_of(s->restart)->store_max : 0;
 	uint64_t vmm = s->cuda ? backend_cuda_config_of(s->cuda)->vmm_allocations : 0;
-	uint64_t need = s->host_buffers + vmm + 2;
+	uint64_t need = restart_store_need(s->host_buffers + vmm);
 	if (max && max < need)
 		log_warn("event=fdstore_too_small fdstore_max=%" PRIu64 " needed=%" PRIu64
 			 " host_buffers=%" PRIu64 " vmm_allocations=%" PRIu64

@@ -58,6 +58,7 @@ int snapshot_take(const snapshot_sources *src, snapshot *out, bool with_uids)
 		rs->failed_legacy = st->failed_legacy;
 		rs->failed_missing = st->failed_missing;
 		rs->unprotected = st->unprotected;
+		rs->bundles = st->bundles;
 		rs->protected_by_store = st->protected_by_store;
 		rs->refused = st->refused;
 		if (st->journal_fd >= 0 && fstat(st->journal_fd, &sb) == 0)

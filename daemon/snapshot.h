@@ -49,6 +49,7 @@ typedef struct snapshot_restart {
 	uint64_t failed_legacy;    /* ... made FAILED: legacy CUDA */
 	uint64_t failed_missing;   /* ... made FAILED: their fd was not kept */
 	uint64_t unprotected;      /* live buffers whose fd is not in the store */
+	uint64_t bundles;          /* fd store entries holding the buffers' fds */
 	uint32_t absent_sessions;  /* restored sessions not resumed yet */
 	uint64_t journal_bytes;    /* the journal's size; 0: off */
 	uint64_t journal_errors;   /* journal puts refused */

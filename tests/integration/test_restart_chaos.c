@@ -514,6 +514,12 @@ static void chaos_run(const chaos_opts *o)
 	if (exact_fds && fds - pooled != fds0 - pooled0) {
 		fd_list(d->pid, fds_list, sizeof(fds_list));
 		fprintf(stderr, "the daemon's fds at the start:\n%snow:\n%s", fds0_list, fds_list);
+		char **names;
+		int n = o->under_sd ? bbt_sd_store_names(d, &names) : 0;
+		for (int i = 0; i < n; i++)
+			fprintf(stderr, "stored: %s\n", names[i]);
+		if (n > 0)
+			bbt_sd_names_free(names);
 		cr_assert_fail("%d fds, %lld of them pooled; at the start %d, %lld", fds, pooled,
 			       fds0, pooled0);
 	}
