@@ -215,7 +215,10 @@ static int targets_compute(const bench_opts *o, target *t)
 			  j16 ? j16->r_base : NAN, 0.95, 0};
 	const result *ready = result_find("restart.ready");
 	snprintf(ready_what, sizeof(ready_what),
-		 "restart_ready: serving again after an upgrade, %" PRIu64 " live buffers (ms)",
+		 "restart_ready: serving again after %s, %" PRIu64 " live buffers (ms)",
+		 getenv("BB_BENCH_RESTART_BY") && !strcmp(getenv("BB_BENCH_RESTART_BY"), "kill")
+			 ? "a SIGKILL"
+			 : "an upgrade",
 		 ready ? ready->param : 0);
 	t[n++] = (target){ready_what, "<= 1000", restart_ms("restart.ready"), 1000, 1};
 	t[n++] = (target){"restart_stall: a client's longest call across it (ms)", "<= 2000",

@@ -20,11 +20,17 @@
  *
  * The filler's buffers stay in the new image as its absent session's until
  * the grace period releases them; nothing runs on that daemon afterwards.
+ *
+ * BB_BENCH_RESTART_BY=kill: SIGKILL the daemon instead, for one run under
+ * a supervisor that keeps its fds and starts it again (bench/restart-crash.sh:
+ * tests/integration/fakesd, systemd's stand-in): the rows then measure a
+ * crash, the start from systemd's fd store (the bundles peeked) included.
  */
 #include <errno.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -228,9 +234,12 @@ void scenario_restart(const bench_opts *o)
 	}
 	usleep(100 * 1000); /* its calls before the upgrade are its baseline */
 
-	fprintf(stderr, "  restart: upgrade with %" PRIu64 " live buffers\n", have);
-	if (upgrade(c, err, sizeof(err))) {
-		snprintf(why, sizeof(why), "%s", err);
+	const char *by = getenv("BB_BENCH_RESTART_BY");
+	bool crash = by && !strcmp(by, "kill");
+	fprintf(stderr, "  restart: %s with %" PRIu64 " live buffers\n",
+		crash ? "SIGKILL" : "upgrade", have);
+	if (crash ? kill((pid_t)pid, SIGKILL) : upgrade(c, err, sizeof(err))) {
+		snprintf(why, sizeof(why), "%s", crash ? strerror(errno) : err);
 		goto fail;
 	}
 	uint64_t t0 = bench_now_ns(), ready_ns = 0, restored = 0;
@@ -243,15 +252,17 @@ void scenario_restart(const bench_opts *o)
 		if (bb_client_resumes(c) > resumes) {
 			ready_ns = bench_now_ns() - t0;
 			restored = r->server_status->restored_buffers;
-			if (r->server_status->pid != pid)
-				snprintf(err, sizeof(err), "another pid answered");
+			if ((r->server_status->pid != pid) != crash)
+				snprintf(err, sizeof(err), "%s pid answered",
+					 crash ? "the killed" : "another");
 		}
 		bbc_response_free(r);
 		if (ready_ns)
 			break;
 		if (bench_now_ns() - t0 > RESTART_TIMEOUT_NS) {
-			snprintf(why, sizeof(why),
-				 "the daemon answered the Upgrade but did not re-execute");
+			snprintf(why, sizeof(why), "%s",
+				 crash ? "the daemon was not started again"
+				       : "the daemon answered the Upgrade but did not re-execute");
 			goto fail;
 		}
 	}
@@ -260,8 +271,9 @@ void scenario_restart(const bench_opts *o)
 		if (bb_connect(path, &n) == 0 && server_status(n, &r) == 0) {
 			ready_ns = bench_now_ns() - t0;
 			restored = r->server_status->restored_buffers;
-			if (r->server_status->pid != pid)
-				snprintf(err, sizeof(err), "another pid answered");
+			if ((r->server_status->pid != pid) != crash)
+				snprintf(err, sizeof(err), "%s pid answered",
+					 crash ? "the killed" : "another");
 			bbc_response_free(r);
 		}
 		bb_disconnect(n);
@@ -279,8 +291,8 @@ void scenario_restart(const bench_opts *o)
 	}
 
 	result *res = result_new("restart.ready", "restart", "bufbroker", "");
-	snprintf(res->label, sizeof(res->label),
-		 "restart_ready: serving again, %" PRIu64 " buffers", have);
+	snprintf(res->label, sizeof(res->label), "restart_ready: serving again%s, %" PRIu64 " buffers",
+		 crash ? " after a SIGKILL" : "", have);
 	res->param = have;
 	res->extra = (double)ready_ns / 1e6;
 	snprintf(res->extra_name, sizeof(res->extra_name), "ms");
@@ -291,7 +303,8 @@ void scenario_restart(const bench_opts *o)
 	else
 		result_note(res, "%s%s%s", capped, capped[0] && err[0] ? "; " : "", err);
 	res = result_new("restart.stall", "restart", "bufbroker",
-			 "restart_stall: a client's longest bb_stat across it");
+			 crash ? "restart_stall: a client's longest bb_stat across a SIGKILL"
+			       : "restart_stall: a client's longest bb_stat across it");
 	res->param = have;
 	res->extra = (double)st.max_ns / 1e6;
 	snprintf(res->extra_name, sizeof(res->extra_name), "ms");
