@@ -291,7 +291,8 @@ void scenario_restart(const bench_opts *o)
 	}
 
 	result *res = result_new("restart.ready", "restart", "bufbroker", "");
-	snprintf(res->label, sizeof(res->label), "restart_ready: serving again%s, %" PRIu64 " buffers",
+	snprintf(res->label, sizeof(res->label),
+		 "restart_ready: serving again%s, %" PRIu64 " buffers",
 		 crash ? " after a SIGKILL" : "", have);
 	res->param = have;
 	res->extra = (double)ready_ns / 1e6;
