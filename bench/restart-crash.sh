@@ -51,7 +51,7 @@ SD=$!
 "$BUILD/bufbroker-bench" echo-server --socket "$DIR/echo.sock" >"$DIR/echo.log" 2>&1 &
 EPID=$!
 for _ in $(seq 1 100); do [[ -S $DIR/bb.sock && -S $DIR/echo.sock ]] && break; sleep 0.1; done
-BB_BENCH_RESTART_BY=kill "$BUILD/bufbroker-bench" run --bb-socket "$DIR/bb.sock" \
+BB_BENCH_RESTART_BY="kill" "$BUILD/bufbroker-bench" run --bb-socket "$DIR/bb.sock" \
 	--echo-socket "$DIR/echo.sock" \
 	--journal-socket "$DIR/bb.sock" --only restart "${QUICK[@]}" --cuda
 echo
