@@ -124,8 +124,10 @@ void results_free(void);
 
 /* Which server a round-trip client talks to. */
 /* RT_JOURNAL: bufbroker again, on the daemon with the state journal on
- * (rt_config.journal_socket), to compare with RT_BUFBROKER (journal off). */
-typedef enum rt_system { RT_BUFBROKER, RT_ECHO, RT_REDIS, RT_JOURNAL } rt_system;
+ * (rt_config.journal_socket), to compare with RT_NOJOURNAL: bufbroker on its
+ * twin, a daemon started the same way but without --restart
+ * (rt_config.twin_socket); without a twin, with RT_BUFBROKER. */
+typedef enum rt_system { RT_BUFBROKER, RT_ECHO, RT_REDIS, RT_JOURNAL, RT_NOJOURNAL } rt_system;
 
 /* Where the servers are and how the echo datagrams are sized. */
 typedef struct rt_config {
@@ -134,6 +136,7 @@ typedef struct rt_config {
 	const char *redis_socket;   /* redis-server, or NULL to skip Redis */
 	const char *journal_socket; /* bufbrokerd --restart, or NULL to skip RT_JOURNAL
 				     * and the restart scenario */
+	const char *twin_socket;    /* its twin, without --restart, or NULL */
 	size_t req_bytes[2];        /* echo request sizes: retain, release */
 	size_t resp_bytes[2];       /* echo response sizes */
 } rt_config;

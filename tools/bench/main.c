@@ -36,6 +36,10 @@ static void usage(FILE *f)
 		"                        the round trip at 1 and 16 clients on it, and the\n"
 		"                        restart scenario (it re-executes that daemon)\n"
 		"  --journal-pid PID     that daemon's pid\n"
+		"  --journal-off-socket PATH\n"
+		"                        its twin: a bufbrokerd started with the same\n"
+		"                        options but --restart; the journal rows are paired\n"
+		"                        with it (default: with the --bb-socket daemon)\n"
 		"  --daemon-fds-kept N   the open files the daemon keeps besides one per host\n"
 		"                        buffer (its budget: 9 per --max-connections, its pool,\n"
 		"                        spares; default 512): caps the host scale levels\n"
@@ -182,6 +186,7 @@ enum {
 	OPT_SOCKET,
 	OPT_JOURNAL_SOCKET,
 	OPT_JOURNAL_PID,
+	OPT_JOURNAL_OFF_SOCKET,
 	OPT_HELP,
 };
 
@@ -213,6 +218,7 @@ static const struct option options[] = {
 	{"socket", required_argument, NULL, OPT_SOCKET},
 	{"journal-socket", required_argument, NULL, OPT_JOURNAL_SOCKET},
 	{"journal-pid", required_argument, NULL, OPT_JOURNAL_PID},
+	{"journal-off-socket", required_argument, NULL, OPT_JOURNAL_OFF_SOCKET},
 	{"help", no_argument, NULL, OPT_HELP},
 	{NULL, 0, NULL, 0},
 };
@@ -334,6 +340,7 @@ int main(int argc, char **argv)
 		case OPT_SOCKET: socket_path = optarg; break;
 		case OPT_JOURNAL_SOCKET: o.rt.journal_socket = optarg; break;
 		case OPT_JOURNAL_PID: o.journal_pid = atoi(optarg); break;
+		case OPT_JOURNAL_OFF_SOCKET: o.rt.twin_socket = optarg; break;
 		case OPT_HELP: usage(stdout); return 0;
 		default: return bad("unknown option");
 		}

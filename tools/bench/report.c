@@ -75,7 +75,8 @@ static double result_ratio(const result *r, const char **against)
 {
 	*against = "";
 	if (!strcmp(r->group, "roundtrip") && !strcmp(r->system, "journal")) {
-		/* Paired repetition by repetition with the journal-off daemon. */
+		/* Paired repetition by repetition with the journal-off daemon
+		 * (its twin, "no-journal", when it ran). */
 		*against = "ops_vs_journal_off";
 		return r->r_base;
 	}
@@ -310,13 +311,13 @@ void report_print(const bench_opts *o)
 	printf("\nRound trip: one op = one request and its answer (bufbroker: bb_retain or "
 	       "bb_release; echo: same datagram sizes; redis: INCR or DECR)\n");
 	printf("(ratios: the median over repetitions of each repetition's ratio; a repetition runs\n"
-	       " the three systems back to back)\n");
+	       " the systems back to back, in the reverse order every other repetition)\n");
 	printf("%7s  %-10s %9s %9s %11s %9s %9s %10s\n", "clients", "system", "p50 us", "p99 us",
 	       "ops/s", "p50/echo", "ops/echo", "ops/redis");
 	for (int c = 0; c < o->ncounts; c++) {
-		static const char *sys[] = {"bufbroker", "echo", "redis", "journal"};
+		static const char *sys[] = {"bufbroker", "echo", "redis", "no-journal", "journal"};
 		int n = o->counts[c];
-		for (int s = 0; s < 4; s++) {
+		for (int s = 0; s < 5; s++) {
 			char name[64];
 			snprintf(name, sizeof(name), "roundtrip.%s.c%d", sys[s], n);
 			const result *r = result_find(name);
@@ -336,7 +337,12 @@ void report_print(const bench_opts *o)
 			printf("\n");
 		}
 	}
-	if (o->rt.journal_socket)
+	if (o->rt.journal_socket && o->rt.twin_socket)
+		printf("(journal: bufbroker on a daemon with its state journal on, --restart;\n"
+		       " no-journal: on its twin, started the same way without --restart;\n"
+		       " \"ops ... journal off\": journal's ops/s over no-journal's, paired by "
+		       "repetition)\n");
+	else if (o->rt.journal_socket)
 		printf("(journal: bufbroker on a daemon with its state journal on, --restart;\n"
 		       " \"ops ... journal off\": its ops/s over bufbroker's, paired by repetition)\n");
 

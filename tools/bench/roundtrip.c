@@ -142,9 +142,12 @@ static void conn_open(struct rt_conn *k, const rt_config *cfg, rt_system sys, in
 	k->sock = -1;
 	switch (sys) {
 	case RT_BUFBROKER:
-	case RT_JOURNAL: {
+	case RT_JOURNAL:
+	case RT_NOJOURNAL: {
 		bb_alloc_opts ao = {.size = 4096, .kind = BB_HOST};
-		const char *path = sys == RT_JOURNAL ? cfg->journal_socket : cfg->bb_socket;
+		const char *path = sys == RT_JOURNAL     ? cfg->journal_socket
+				   : sys == RT_NOJOURNAL ? cfg->twin_socket
+							 : cfg->bb_socket;
 
 		rc = bb_connect(path, &k->bb);
 		if (rc)
@@ -198,7 +201,8 @@ static inline void conn_op(struct rt_conn *k, int which)
 {
 	switch (k->sys) {
 	case RT_BUFBROKER:
-	case RT_JOURNAL: {
+	case RT_JOURNAL:
+	case RT_NOJOURNAL: {
 		int rc = which ? bb_release(k->bb, k->id, 1) : bb_retain(k->bb, k->id, 1);
 		if (rc)
 			child_die("%s: %s", which ? "bb_release" : "bb_retain", bb_last_error());
@@ -237,6 +241,7 @@ static void conn_close(struct rt_conn *k)
 	switch (k->sys) {
 	case RT_BUFBROKER:
 	case RT_JOURNAL:
+	case RT_NOJOURNAL:
 		bb_unref(k->buf);
 		bb_disconnect(k->bb);
 		break;
@@ -417,18 +422,29 @@ static double paired_ratio(const double *a, const double *b, int n)
 	return m;
 }
 
-static const char *sys_name[] = {"bufbroker", "echo", "redis", "journal"};
-#define RT_SYSTEMS 4
+static const char *sys_name[] = {"bufbroker", "echo", "redis", "journal", "no-journal"};
+#define RT_SYSTEMS 5
 
 /* Whether system s runs at client count c: Redis when it is there; the
- * journal-on daemon at 1 and 16 clients, where its targets are. */
+ * journal-on daemon and its twin at 1 and 16 clients, where its targets
+ * are. */
 static int rt_runs(const bench_opts *o, int s, int c)
 {
+	int jc = o->rt.journal_socket && (o->counts[c] == 1 || o->counts[c] == 16);
+
 	if (s == RT_REDIS)
 		return rt_have_redis() && o->rt.redis_socket;
 	if (s == RT_JOURNAL)
-		return o->rt.journal_socket && (o->counts[c] == 1 || o->counts[c] == 16);
+		return jc;
+	if (s == RT_NOJOURNAL)
+		return jc && o->rt.twin_socket;
 	return 1;
+}
+
+/* What the journal-on daemon is paired with: its twin, else the first. */
+static rt_system journal_base(const bench_opts *o)
+{
+	return o->rt.twin_socket ? RT_NOJOURNAL : RT_BUFBROKER;
 }
 
 void scenario_roundtrip(const bench_opts *o)
@@ -446,10 +462,15 @@ void scenario_roundtrip(const bench_opts *o)
 	}
 #define AT(s, c, r) (((s)*o->ncounts + (c)) * o->reps + (r))
 	/* Interleaved: each repetition visits every count and every system, so
-	 * drift on a shared machine touches all of them alike. */
+	 * drift on a shared machine touches all of them alike. Every other
+	 * repetition visits the systems in the reverse order, so that no
+	 * system is always the one measured first (or right after another):
+	 * the journal-on daemon and its twin run back to back, each first in
+	 * half the repetitions. */
 	for (int r = 0; r < o->reps; r++) {
 		for (int c = 0; c < o->ncounts; c++) {
-			for (int s = 0; s < RT_SYSTEMS; s++) {
+			for (int i = 0; i < RT_SYSTEMS; i++) {
+				int s = r % 2 ? RT_SYSTEMS - 1 - i : i;
 				rt_figures f;
 
 				if (!rt_runs(o, s, c))
@@ -474,7 +495,7 @@ void scenario_roundtrip(const bench_opts *o)
 		for (int s = 0; s < RT_SYSTEMS; s++) {
 			char name[64], label[64];
 
-			if (s == RT_JOURNAL && !rt_runs(o, s, c))
+			if ((s == RT_JOURNAL || s == RT_NOJOURNAL) && !rt_runs(o, s, c))
 				continue; /* no row: it is not measured at this count */
 			snprintf(name, sizeof(name), "roundtrip.%s.c%d", sys_name[s], o->counts[c]);
 			snprintf(label, sizeof(label), "%s", sys_name[s]);
@@ -504,8 +525,9 @@ void scenario_roundtrip(const bench_opts *o)
 								&tput[AT(RT_REDIS, c, 0)], o->reps);
 			/* Journal on over off, ops/s, paired the same way. */
 			if (s == RT_JOURNAL)
-				res->r_base = paired_ratio(&tput[AT(s, c, 0)],
-							   &tput[AT(RT_BUFBROKER, c, 0)], o->reps);
+				res->r_base =
+					paired_ratio(&tput[AT(s, c, 0)],
+						     &tput[AT(journal_base(o), c, 0)], o->reps);
 		}
 	}
 	for (int c = 0; c < o->ncounts; c++) {
