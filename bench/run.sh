@@ -347,7 +347,7 @@ bb_log "running bufbroker-bench${QUICK_ARG:+ --quick} (CUDA: $CUDA_DESC)"
 rc=0
 "$BENCH" run --bb-socket "$DIR/bb.sock" --echo-socket "$DIR/echo.sock" "${REDIS_ARG[@]}" \
 	--journal-socket "$DIR/bb-journal.sock" --journal-pid "$JPID" \
-	--journal-off-socket "$DIR/bb-journal-off.sock" \
+	--journal-off-socket "$DIR/bb-journal-off.sock" --journal-off-pid "$NPID" \
 	--daemon-pid "$DPID" --daemon-fds-kept $((9 * MAX_CONN + 1024 + 1024)) "${SCALE_CUDA_ARG[@]}" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" \
 	"${QUICK_ARG[@]}" "${CUDA_ARG[@]}" \
 	--json "$OUT/bench.json" --plot-data "$OUT" \

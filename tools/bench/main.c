@@ -40,6 +40,8 @@ static void usage(FILE *f)
 		"                        its twin: a bufbrokerd started with the same\n"
 		"                        options but --restart; the journal rows are paired\n"
 		"                        with it (default: with the --bb-socket daemon)\n"
+		"  --journal-off-pid PID its pid: with --journal-pid, the journal rows also\n"
+		"                        compare the two daemons' CPU time per op\n"
 		"  --daemon-fds-kept N   the open files the daemon keeps besides one per host\n"
 		"                        buffer (its budget: 9 per --max-connections, its pool,\n"
 		"                        spares; default 512): caps the host scale levels\n"
@@ -187,6 +189,7 @@ enum {
 	OPT_JOURNAL_SOCKET,
 	OPT_JOURNAL_PID,
 	OPT_JOURNAL_OFF_SOCKET,
+	OPT_JOURNAL_OFF_PID,
 	OPT_HELP,
 };
 
@@ -219,6 +222,7 @@ static const struct option options[] = {
 	{"journal-socket", required_argument, NULL, OPT_JOURNAL_SOCKET},
 	{"journal-pid", required_argument, NULL, OPT_JOURNAL_PID},
 	{"journal-off-socket", required_argument, NULL, OPT_JOURNAL_OFF_SOCKET},
+	{"journal-off-pid", required_argument, NULL, OPT_JOURNAL_OFF_PID},
 	{"help", no_argument, NULL, OPT_HELP},
 	{NULL, 0, NULL, 0},
 };
@@ -341,6 +345,7 @@ int main(int argc, char **argv)
 		case OPT_JOURNAL_SOCKET: o.rt.journal_socket = optarg; break;
 		case OPT_JOURNAL_PID: o.journal_pid = atoi(optarg); break;
 		case OPT_JOURNAL_OFF_SOCKET: o.rt.twin_socket = optarg; break;
+		case OPT_JOURNAL_OFF_PID: o.rt.cpu_pid[RT_NOJOURNAL] = atoi(optarg); break;
 		case OPT_HELP: usage(stdout); return 0;
 		default: return bad("unknown option");
 		}
@@ -362,6 +367,11 @@ int main(int argc, char **argv)
 	/* Many short interleaved repetitions: on a shared machine a burst of
 	 * someone else's load then spoils a few of them, not a whole figure. */
 	o.reps = reps ? reps : o.quick ? 1 : 11;
+	/* CPU time per op: the journal-on daemon's and its twin's, or neither. */
+	if (o.journal_pid > 0 && o.rt.cpu_pid[RT_NOJOURNAL] > 0)
+		o.rt.cpu_pid[RT_JOURNAL] = o.journal_pid;
+	else
+		o.rt.cpu_pid[RT_NOJOURNAL] = 0;
 	o.dur_ns = (uint64_t)((duration > 0 ? duration : o.quick ? 0.2 : 0.4) * 1e9);
 	if (!have_counts) {
 		static const int def[] = {1, 4, 16, 64};

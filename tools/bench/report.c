@@ -332,6 +332,10 @@ void report_print(const bench_opts *o)
 			ratio(r->r_ops_redis, 10);
 			if (!isnan(r->r_base))
 				printf("  ops %.3fx journal off", r->r_base);
+			if (!isnan(r->r_cpu))
+				printf(", cpu/op %.3fx", r->r_cpu);
+			if (!strcmp(r->extra_name, "daemon_cpu_us_per_op") && !isnan(r->extra))
+				printf("  (daemon cpu %.2f us/op)", r->extra);
 			if (r->skipped)
 				printf("  (%s)", r->note);
 			printf("\n");
@@ -341,7 +345,9 @@ void report_print(const bench_opts *o)
 		printf("(journal: bufbroker on a daemon with its state journal on, --restart;\n"
 		       " no-journal: on its twin, started the same way without --restart;\n"
 		       " \"ops ... journal off\": journal's ops/s over no-journal's, paired by "
-		       "repetition)\n");
+		       "repetition;\n"
+		       " \"cpu/op\": the daemon's CPU time per op over no-journal's, paired the "
+		       "same way)\n");
 	else if (o->rt.journal_socket)
 		printf("(journal: bufbroker on a daemon with its state journal on, --restart;\n"
 		       " \"ops ... journal off\": its ops/s over bufbroker's, paired by repetition)\n");
@@ -533,6 +539,7 @@ int report_json(const bench_opts *o, const char *path, const char *meta_json)
 		if (against[0])
 			json_num(f, against, x);
 		json_num(f, "vs_private", r->r_private);
+		json_num(f, "cpu_vs_journal_off", r->r_cpu);
 		fprintf(f, ", \"reps\": %d, \"skipped\": %s, \"note\": ", r->reps,
 			r->skipped ? "true" : "false");
 		json_str(f, r->note);

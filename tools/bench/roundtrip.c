@@ -258,6 +258,25 @@ static void conn_close(struct rt_conn *k)
 
 /* ---- the runner ---------------------------------------------------------------- */
 
+/* The CPU time pid's main thread has run, in ns (the first field of
+ * /proc/PID/schedstat: exact, not the tick-sampled utime and stime); -1 when
+ * it cannot be read. The daemon serves on its main thread (the loop). */
+static int64_t cpu_ns(int pid)
+{
+	char path[64];
+	unsigned long long ns;
+	FILE *f;
+	int n;
+
+	snprintf(path, sizeof(path), "/proc/%d/schedstat", pid);
+	f = fopen(path, "r");
+	if (!f)
+		return -1;
+	n = fscanf(f, "%llu", &ns);
+	fclose(f);
+	return n == 1 ? (int64_t)ns : -1;
+}
+
 __attribute__((noreturn)) static void rt_child(const rt_config *cfg, rt_system sys, int idx,
 					       struct slot *slot, int ready_fd, int go_fd,
 					       uint64_t dur_ns)
@@ -305,10 +324,13 @@ int rt_run(const rt_config *cfg, rt_system sys, int clients, uint64_t dur_ns, rt
 	size_t bytes = (size_t)clients * sizeof(struct slot);
 	struct slot *slots;
 	int ready[2], go[2], got = 0, failed = 0, rc = -1;
+	int cpu_pid = cfg->cpu_pid[sys];
+	int64_t cpu0 = -1, cpu1 = -1;
 	pid_t *pids;
 	hist *all;
 
 	memset(out, 0, sizeof(*out));
+	out->cpu_us = NAN;
 	err[0] = 0;
 	bench_set_pinned(clients == 1);
 	slots = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -363,6 +385,8 @@ int rt_run(const rt_config *cfg, rt_system sys, int clients, uint64_t dur_ns, rt
 		}
 		got += (int)r;
 	}
+	if (cpu_pid > 0 && !failed)
+		cpu0 = cpu_ns(cpu_pid);
 	close(go[1]); /* go (or, after a failure, give up) */
 	for (int i = 0; i < clients && pids[i] > 0; i++) {
 		int st;
@@ -379,6 +403,8 @@ int rt_run(const rt_config *cfg, rt_system sys, int clients, uint64_t dur_ns, rt
 		}
 	}
 	close(ready[0]);
+	if (cpu0 >= 0)
+		cpu1 = cpu_ns(cpu_pid);
 	if (!failed) {
 		double tput = 0;
 
@@ -391,6 +417,8 @@ int rt_run(const rt_config *cfg, rt_system sys, int clients, uint64_t dur_ns, rt
 		out->p50_us = hist_quantile(all, 0.50) / 1e3;
 		out->p99_us = hist_quantile(all, 0.99) / 1e3;
 		out->ops_per_s = tput;
+		if (cpu1 >= cpu0 && cpu0 >= 0 && out->ops)
+			out->cpu_us = (double)(cpu1 - cpu0) / 1e3 / (double)out->ops;
 		rc = 0;
 	}
 	goto err_mem;
@@ -453,10 +481,11 @@ void scenario_roundtrip(const bench_opts *o)
 	double *p50 = calloc((size_t)n, sizeof(double));
 	double *p99 = calloc((size_t)n, sizeof(double));
 	double *tput = calloc((size_t)n, sizeof(double));
+	double *cpu = calloc((size_t)n, sizeof(double));
 	char errs[RT_SYSTEMS][8][200] = {{{0}}};
 	char err[200];
 
-	if (!p50 || !p99 || !tput) {
+	if (!p50 || !p99 || !tput || !cpu) {
 		fprintf(stderr, "bufbroker-bench: out of memory\n");
 		exit(1);
 	}
@@ -482,11 +511,12 @@ void scenario_roundtrip(const bench_opts *o)
 					p50[AT(s, c, r)] = f.p50_us;
 					p99[AT(s, c, r)] = f.p99_us;
 					tput[AT(s, c, r)] = f.ops_per_s;
+					cpu[AT(s, c, r)] = f.cpu_us;
 				} else {
 					fprintf(stderr, "  round trip %s: %s\n", sys_name[s], err);
 					snprintf(errs[s][c], sizeof(errs[s][c]), "%s", err);
 					p50[AT(s, c, r)] = p99[AT(s, c, r)] = tput[AT(s, c, r)] =
-						NAN;
+						cpu[AT(s, c, r)] = NAN;
 				}
 			}
 		}
@@ -528,6 +558,15 @@ void scenario_roundtrip(const bench_opts *o)
 				res->r_base =
 					paired_ratio(&tput[AT(s, c, 0)],
 						     &tput[AT(journal_base(o), c, 0)], o->reps);
+			/* And the daemon's CPU time per op, where it was read. */
+			if (s == RT_JOURNAL && o->rt.cpu_pid[RT_JOURNAL] > 0)
+				res->r_cpu = paired_ratio(&cpu[AT(s, c, 0)],
+							  &cpu[AT(RT_NOJOURNAL, c, 0)], o->reps);
+			if (o->rt.cpu_pid[s] > 0) {
+				snprintf(res->extra_name, sizeof(res->extra_name),
+					 "daemon_cpu_us_per_op");
+				res->extra = median(&cpu[AT(s, c, 0)], o->reps);
+			}
 		}
 	}
 	for (int c = 0; c < o->ncounts; c++) {
@@ -553,6 +592,7 @@ void scenario_roundtrip(const bench_opts *o)
 	free(p50);
 	free(p99);
 	free(tput);
+	free(cpu);
 }
 
 /* ---- the echo server -------------------------------------------------------------- */
