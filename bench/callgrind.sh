@@ -6,11 +6,13 @@
 # with N and N + DELTA iterations; the difference in instructions over
 # DELTA is the cost of one, free of start-up and shutdown.
 #
-# Usage: bench/callgrind.sh [--build-dir DIR] [--delta N]
+# Usage: bench/callgrind.sh [--build-dir DIR] [--delta N] [--journal]
 #   --build-dir DIR  the build tree whose bufbrokerd and libbufbroker are
 #                    counted (default: ROOT/build-bench, as bench/run.sh
 #                    builds it; a sanitizer build counts the sanitizer)
 #   --delta N        iterations the two runs differ by (default 20000)
+#   --journal        run the daemon with --restart (its state journal on):
+#                    the difference from a run without is the journal's cost
 #
 # Prints, per retain or release request (the round trip's two halves) and
 # per host alloc (1 MiB) + map + unref: the daemon's instructions and the
@@ -25,11 +27,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/../scripts/lib.sh"
 
 BUILD="$BB_ROOT/build-bench"
 DELTA=20000
+declare -a JOURNAL=()
 while [[ $# -gt 0 ]]; do
 	case $1 in
 	--build-dir) BUILD=$(cd "$2" && pwd); shift 2 ;;
 	--delta) DELTA=$2; shift 2 ;;
-	-h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	--journal) JOURNAL=(--restart); shift ;;
+	-h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 	*) echo "callgrind.sh: unknown argument $1" >&2; exit 2 ;;
 	esac
 done
@@ -59,7 +63,8 @@ total() { # total CALLGRIND-OUT: the run's instructions
 }
 start_daemon() { # start_daemon [WRAPPER...]: bufbrokerd on $DIR/bb.sock
 	rm -f "$DIR/bb.sock"
-	"$@" "$BUILD/bufbrokerd" --socket "$DIR/bb.sock" --no-cuda >>"$DIR/daemon.log" 2>&1 &
+	"$@" "$BUILD/bufbrokerd" --socket "$DIR/bb.sock" --no-cuda ${JOURNAL[@]+"${JOURNAL[@]}"} \
+		>>"$DIR/daemon.log" 2>&1 &
 	DPID=$!
 	for _ in $(seq 300); do
 		[[ -S $DIR/bb.sock ]] && return 0

@@ -33,9 +33,11 @@
 #                    measures it (the command line recorded with the results
 #                    says which). Without it the journal's cost is measured
 #                    anyway: a fourth daemon with --restart serves the
-#                    "journal" round-trip rows (1 and 16 clients, paired with
-#                    the first daemon's) and the restart scenario, which
-#                    fills it with 100 000 buffers and re-executes it.
+#                    "journal" round-trip rows (1 and 16 clients) and the
+#                    restart scenario, which fills it with 100 000 buffers
+#                    and re-executes it; a fifth, its twin started the same
+#                    way but without --restart, serves the "no-journal" rows
+#                    the journal rows are paired with.
 #   -- ARGS...       passed to bufbroker-bench run, e.g. --only roundtrip,local
 #                    or --reps 9 (see bufbroker-bench --help).
 #
@@ -141,6 +143,7 @@ VPID=
 EPID=
 RPID=
 JPID=
+NPID=
 
 stop() { # stop PID SECONDS: SIGTERM, then SIGKILL after SECONDS
 	local pid=$1 secs=$2 i
@@ -160,8 +163,10 @@ cleanup() {
 	stop "$CPID" 60
 	stop "$VPID" 60
 	stop "$JPID" 60
+	stop "$NPID" 60
 	# A sanitizer build's report at the daemon's exit must reach the caller.
-	for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log" "$DIR/daemon-journal.log"; do
+	for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log" "$DIR/daemon-journal.log" \
+		"$DIR/daemon-journal-off.log"; do
 		if grep -qE "Sanitizer|runtime error:" "$log" 2>/dev/null; then
 			echo "---- bufbrokerd log (sanitizer report): $log ----" >&2
 			cat "$log" >&2
@@ -285,15 +290,29 @@ fi
 # limit, then 256 B CUDA buffers, VMM by default, when there is CUDA) and
 # has it re-execute itself. Few connections, so that the open-file budget
 # leaves the host buffers as much as it can.
-(
-	ulimit -n "$WANT_FILES" 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-	exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb-journal.sock" --log-level info --restart \
-		--uid-buffers $((MAX_LEVEL + 100000)) --uid-host-bytes 1T --uid-cuda-bytes 1T \
-		--max-connections 200 ${CUDA_ARG[@]+--cuda-handle vmm}
-) >"$DIR/daemon-journal.log" 2>&1 &
+#
+# Its journal-off twin, started the same way but without --restart (the
+# same limits, open-file limit, pinning, log level and CUDA handle, right
+# after it), is what its round trip rows are paired with: the first daemon
+# differs from it in more than the journal.
+journal_daemon() { # journal_daemon NAME [--restart]: start bb-NAME.sock, log daemon-NAME.log
+	local name=$1
+	shift
+	(
+		ulimit -n "$WANT_FILES" 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+		exec "${PIN[@]}" "$DAEMON" --socket "$DIR/bb-$name.sock" --log-level info "$@" \
+			--uid-buffers $((MAX_LEVEL + 100000)) --uid-host-bytes 1T --uid-cuda-bytes 1T \
+			--max-connections 200 ${CUDA_ARG[@]+--cuda-handle vmm}
+	) >"$DIR/daemon-$name.log" 2>&1 &
+}
+journal_daemon journal --restart
 JPID=$!
+journal_daemon journal-off
+NPID=$!
 wait_socket "$DIR/bb-journal.sock" "$JPID" "the journal-on bufbrokerd" ||
 	{ cat "$DIR/daemon-journal.log" >&2; exit 1; }
+wait_socket "$DIR/bb-journal-off.sock" "$NPID" "the journal-off twin bufbrokerd" ||
+	{ cat "$DIR/daemon-journal-off.log" >&2; exit 1; }
 
 "${PIN[@]}" "$BENCH" echo-server --socket "$DIR/echo.sock" >"$DIR/echo.log" 2>&1 &
 EPID=$!
@@ -321,13 +340,14 @@ CONDITIONS+=" daemon open-file limit $(awk '/Max open files/ {print $4}' "/proc/
 CONDITIONS+=" shmem THP: $(thp_mode)${SHMEM_THP:+ (set by --shmem-thp, was $THP_OLD)};"
 CONDITIONS+=" CUDA: $CUDA_DESC"
 
-SERVER_PIDS="$DPID,$EPID,$JPID${RPID:+,$RPID}${CPID:+,$CPID}${VPID:+,$VPID}"
+SERVER_PIDS="$DPID,$EPID,$JPID,$NPID${RPID:+,$RPID}${CPID:+,$CPID}${VPID:+,$VPID}"
 QUICK_ARG=()
 [[ $QUICK -eq 1 ]] && QUICK_ARG=(--quick)
 bb_log "running bufbroker-bench${QUICK_ARG:+ --quick} (CUDA: $CUDA_DESC)"
 rc=0
 "$BENCH" run --bb-socket "$DIR/bb.sock" --echo-socket "$DIR/echo.sock" "${REDIS_ARG[@]}" \
 	--journal-socket "$DIR/bb-journal.sock" --journal-pid "$JPID" \
+	--journal-off-socket "$DIR/bb-journal-off.sock" --journal-off-pid "$NPID" \
 	--daemon-pid "$DPID" --daemon-fds-kept $((9 * MAX_CONN + 1024 + 1024)) "${SCALE_CUDA_ARG[@]}" --server-cpu "$SERVER_CPU" --server-pids "$SERVER_PIDS" \
 	"${QUICK_ARG[@]}" "${CUDA_ARG[@]}" \
 	--json "$OUT/bench.json" --plot-data "$OUT" \
@@ -341,7 +361,10 @@ kill -0 "$DPID" 2>/dev/null || { echo "run.sh: bufbrokerd died during the run" >
 # The restart scenario re-executes it in place: the same pid.
 kill -0 "$JPID" 2>/dev/null ||
 	{ echo "run.sh: the journal-on bufbrokerd died during the run" >&2; rc=1; }
-for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log" "$DIR/daemon-journal.log"; do
+kill -0 "$NPID" 2>/dev/null ||
+	{ echo "run.sh: the journal-off twin bufbrokerd died during the run" >&2; rc=1; }
+for log in "$DIR/daemon.log" "$DIR/daemon-cuda.log" "$DIR/daemon-vmm.log" "$DIR/daemon-journal.log" \
+	"$DIR/daemon-journal-off.log"; do
 	if [[ -s $log ]]; then
 		echo "---- bufbrokerd log: ${log##*/} ----"
 		tail -n 20 "$log"

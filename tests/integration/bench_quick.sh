@@ -80,11 +80,14 @@ for system in ("bufbroker", "echo", "redis"):
             need(f"roundtrip.{system}.c{n}", "p50_vs_echo", "ops_vs_echo")
         if system == "bufbroker":
             need(f"roundtrip.{system}.c{n}", "ops_vs_redis")
-# The state journal's cost: its daemon at 1 and 16 clients, paired with the
-# plain one; the restart rows (issue 14), in milliseconds.
+# The state journal's cost: its daemon at 1 and 16 clients, paired with its
+# twin started the same way without --restart (no-journal), in ops/s and in
+# each daemon's CPU time per op; the restart rows (issue 14), in milliseconds.
 for n in (1, 16):
     need(f"roundtrip.journal.c{n}", "p50_us", "p99_us", "ops_per_s", "p50_vs_echo",
-         "ops_vs_echo", "ops_vs_journal_off")
+         "ops_vs_echo", "ops_vs_journal_off", "daemon_cpu_us_per_op", "cpu_vs_journal_off")
+    need(f"roundtrip.no-journal.c{n}", "p50_us", "p99_us", "ops_per_s", "p50_vs_echo",
+         "ops_vs_echo", "daemon_cpu_us_per_op")
 need("restart.ready", "ms", "param")
 need("restart.stall", "ms", "param")
 need("local.bb_ref_unref", "ns_per_op")

@@ -103,6 +103,9 @@ typedef struct result {
 			     * private, already-faulted buffer of the same size in
 			     * the same process (the limit), median of per-round
 			     * ratios */
+	double r_cpu;       /* round trip, journal: the daemon's CPU time per op over
+			     * the journal-off daemon's, median of per-repetition
+			     * ratios */
 	char extra_name[32];
 	int reps;       /* repetitions the medians are over */
 	char note[200]; /* "" or why it was skipped / what to know */
@@ -124,8 +127,10 @@ void results_free(void);
 
 /* Which server a round-trip client talks to. */
 /* RT_JOURNAL: bufbroker again, on the daemon with the state journal on
- * (rt_config.journal_socket), to compare with RT_BUFBROKER (journal off). */
-typedef enum rt_system { RT_BUFBROKER, RT_ECHO, RT_REDIS, RT_JOURNAL } rt_system;
+ * (rt_config.journal_socket), to compare with RT_NOJOURNAL: bufbroker on its
+ * twin, a daemon started the same way but without --restart
+ * (rt_config.twin_socket); without a twin, with RT_BUFBROKER. */
+typedef enum rt_system { RT_BUFBROKER, RT_ECHO, RT_REDIS, RT_JOURNAL, RT_NOJOURNAL } rt_system;
 
 /* Where the servers are and how the echo datagrams are sized. */
 typedef struct rt_config {
@@ -134,6 +139,9 @@ typedef struct rt_config {
 	const char *redis_socket;   /* redis-server, or NULL to skip Redis */
 	const char *journal_socket; /* bufbrokerd --restart, or NULL to skip RT_JOURNAL
 				     * and the restart scenario */
+	const char *twin_socket;    /* its twin, without --restart, or NULL */
+	int cpu_pid[5];             /* per rt_system: the server whose CPU time per op
+				     * rt_run measures (rt_figures.cpu_us), 0: none */
 	size_t req_bytes[2];        /* echo request sizes: retain, release */
 	size_t resp_bytes[2];       /* echo response sizes */
 } rt_config;
@@ -142,6 +150,9 @@ typedef struct rt_config {
 typedef struct rt_figures {
 	double p50_us, p99_us, ops_per_s;
 	uint64_t ops;
+	double cpu_us; /* the server's CPU time (its main thread's, from
+			* /proc/PID/schedstat) from the start of the timed
+			* window to the clients' exit, per op; NAN: not measured */
 } rt_figures;
 
 /* Run `clients` processes, each in a closed loop (one request, wait for its

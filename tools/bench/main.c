@@ -36,6 +36,12 @@ static void usage(FILE *f)
 		"                        the round trip at 1 and 16 clients on it, and the\n"
 		"                        restart scenario (it re-executes that daemon)\n"
 		"  --journal-pid PID     that daemon's pid\n"
+		"  --journal-off-socket PATH\n"
+		"                        its twin: a bufbrokerd started with the same\n"
+		"                        options but --restart; the journal rows are paired\n"
+		"                        with it (default: with the --bb-socket daemon)\n"
+		"  --journal-off-pid PID its pid: with --journal-pid, the journal rows also\n"
+		"                        compare the two daemons' CPU time per op\n"
 		"  --daemon-fds-kept N   the open files the daemon keeps besides one per host\n"
 		"                        buffer (its budget: 9 per --max-connections, its pool,\n"
 		"                        spares; default 512): caps the host scale levels\n"
@@ -182,6 +188,8 @@ enum {
 	OPT_SOCKET,
 	OPT_JOURNAL_SOCKET,
 	OPT_JOURNAL_PID,
+	OPT_JOURNAL_OFF_SOCKET,
+	OPT_JOURNAL_OFF_PID,
 	OPT_HELP,
 };
 
@@ -213,6 +221,8 @@ static const struct option options[] = {
 	{"socket", required_argument, NULL, OPT_SOCKET},
 	{"journal-socket", required_argument, NULL, OPT_JOURNAL_SOCKET},
 	{"journal-pid", required_argument, NULL, OPT_JOURNAL_PID},
+	{"journal-off-socket", required_argument, NULL, OPT_JOURNAL_OFF_SOCKET},
+	{"journal-off-pid", required_argument, NULL, OPT_JOURNAL_OFF_PID},
 	{"help", no_argument, NULL, OPT_HELP},
 	{NULL, 0, NULL, 0},
 };
@@ -334,6 +344,8 @@ int main(int argc, char **argv)
 		case OPT_SOCKET: socket_path = optarg; break;
 		case OPT_JOURNAL_SOCKET: o.rt.journal_socket = optarg; break;
 		case OPT_JOURNAL_PID: o.journal_pid = atoi(optarg); break;
+		case OPT_JOURNAL_OFF_SOCKET: o.rt.twin_socket = optarg; break;
+		case OPT_JOURNAL_OFF_PID: o.rt.cpu_pid[RT_NOJOURNAL] = atoi(optarg); break;
 		case OPT_HELP: usage(stdout); return 0;
 		default: return bad("unknown option");
 		}
@@ -355,6 +367,11 @@ int main(int argc, char **argv)
 	/* Many short interleaved repetitions: on a shared machine a burst of
 	 * someone else's load then spoils a few of them, not a whole figure. */
 	o.reps = reps ? reps : o.quick ? 1 : 11;
+	/* CPU time per op: the journal-on daemon's and its twin's, or neither. */
+	if (o.journal_pid > 0 && o.rt.cpu_pid[RT_NOJOURNAL] > 0)
+		o.rt.cpu_pid[RT_JOURNAL] = o.journal_pid;
+	else
+		o.rt.cpu_pid[RT_NOJOURNAL] = 0;
 	o.dur_ns = (uint64_t)((duration > 0 ? duration : o.quick ? 0.2 : 0.4) * 1e9);
 	if (!have_counts) {
 		static const int def[] = {1, 4, 16, 64};

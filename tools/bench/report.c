@@ -75,7 +75,8 @@ static double result_ratio(const result *r, const char **against)
 {
 	*against = "";
 	if (!strcmp(r->group, "roundtrip") && !strcmp(r->system, "journal")) {
-		/* Paired repetition by repetition with the journal-off daemon. */
+		/* Paired repetition by repetition with the journal-off daemon
+		 * (its twin, "no-journal", when it ran). */
 		*against = "ops_vs_journal_off";
 		return r->r_base;
 	}
@@ -313,13 +314,13 @@ void report_print(const bench_opts *o)
 	printf("\nRound trip: one op = one request and its answer (bufbroker: bb_retain or "
 	       "bb_release; echo: same datagram sizes; redis: INCR or DECR)\n");
 	printf("(ratios: the median over repetitions of each repetition's ratio; a repetition runs\n"
-	       " the three systems back to back)\n");
+	       " the systems back to back, in the reverse order every other repetition)\n");
 	printf("%7s  %-10s %9s %9s %11s %9s %9s %10s\n", "clients", "system", "p50 us", "p99 us",
 	       "ops/s", "p50/echo", "ops/echo", "ops/redis");
 	for (int c = 0; c < o->ncounts; c++) {
-		static const char *sys[] = {"bufbroker", "echo", "redis", "journal"};
+		static const char *sys[] = {"bufbroker", "echo", "redis", "no-journal", "journal"};
 		int n = o->counts[c];
-		for (int s = 0; s < 4; s++) {
+		for (int s = 0; s < 5; s++) {
 			char name[64];
 			snprintf(name, sizeof(name), "roundtrip.%s.c%d", sys[s], n);
 			const result *r = result_find(name);
@@ -334,12 +335,23 @@ void report_print(const bench_opts *o)
 			ratio(r->r_ops_redis, 10);
 			if (!isnan(r->r_base))
 				printf("  ops %.3fx journal off", r->r_base);
+			if (!isnan(r->r_cpu))
+				printf(", cpu/op %.3fx", r->r_cpu);
+			if (!strcmp(r->extra_name, "daemon_cpu_us_per_op") && !isnan(r->extra))
+				printf("  (daemon cpu %.2f us/op)", r->extra);
 			if (r->skipped)
 				printf("  (%s)", r->note);
 			printf("\n");
 		}
 	}
-	if (o->rt.journal_socket)
+	if (o->rt.journal_socket && o->rt.twin_socket)
+		printf("(journal: bufbroker on a daemon with its state journal on, --restart;\n"
+		       " no-journal: on its twin, started the same way without --restart;\n"
+		       " \"ops ... journal off\": journal's ops/s over no-journal's, paired by "
+		       "repetition;\n"
+		       " \"cpu/op\": the daemon's CPU time per op over no-journal's, paired the "
+		       "same way)\n");
+	else if (o->rt.journal_socket)
 		printf("(journal: bufbroker on a daemon with its state journal on, --restart;\n"
 		       " \"ops ... journal off\": its ops/s over bufbroker's, paired by repetition)\n");
 
@@ -530,6 +542,7 @@ int report_json(const bench_opts *o, const char *path, const char *meta_json)
 		if (against[0])
 			json_num(f, against, x);
 		json_num(f, "vs_private", r->r_private);
+		json_num(f, "cpu_vs_journal_off", r->r_cpu);
 		fprintf(f, ", \"reps\": %d, \"skipped\": %s, \"note\": ", r->reps,
 			r->skipped ? "true" : "false");
 		json_str(f, r->note);

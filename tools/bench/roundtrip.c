@@ -142,9 +142,12 @@ static void conn_open(struct rt_conn *k, const rt_config *cfg, rt_system sys, in
 	k->sock = -1;
 	switch (sys) {
 	case RT_BUFBROKER:
-	case RT_JOURNAL: {
+	case RT_JOURNAL:
+	case RT_NOJOURNAL: {
 		bb_alloc_opts ao = {.size = 4096, .kind = BB_HOST};
-		const char *path = sys == RT_JOURNAL ? cfg->journal_socket : cfg->bb_socket;
+		const char *path = sys == RT_JOURNAL     ? cfg->journal_socket
+				   : sys == RT_NOJOURNAL ? cfg->twin_socket
+							 : cfg->bb_socket;
 
 		rc = bb_connect(path, &k->bb);
 		if (rc)
@@ -198,7 +201,8 @@ static inline void conn_op(struct rt_conn *k, int which)
 {
 	switch (k->sys) {
 	case RT_BUFBROKER:
-	case RT_JOURNAL: {
+	case RT_JOURNAL:
+	case RT_NOJOURNAL: {
 		int rc = which ? bb_release(k->bb, k->id, 1) : bb_retain(k->bb, k->id, 1);
 		if (rc)
 			child_die("%s: %s", which ? "bb_release" : "bb_retain", bb_last_error());
@@ -237,6 +241,7 @@ static void conn_close(struct rt_conn *k)
 	switch (k->sys) {
 	case RT_BUFBROKER:
 	case RT_JOURNAL:
+	case RT_NOJOURNAL:
 		bb_unref(k->buf);
 		bb_disconnect(k->bb);
 		break;
@@ -252,6 +257,25 @@ static void conn_close(struct rt_conn *k)
 }
 
 /* ---- the runner ---------------------------------------------------------------- */
+
+/* The CPU time pid's main thread has run, in ns (the first field of
+ * /proc/PID/schedstat: exact, not the tick-sampled utime and stime); -1 when
+ * it cannot be read. The daemon serves on its main thread (the loop). */
+static int64_t cpu_ns(int pid)
+{
+	char path[64];
+	unsigned long long ns;
+	FILE *f;
+	int n;
+
+	snprintf(path, sizeof(path), "/proc/%d/schedstat", pid);
+	f = fopen(path, "r");
+	if (!f)
+		return -1;
+	n = fscanf(f, "%llu", &ns);
+	fclose(f);
+	return n == 1 ? (int64_t)ns : -1;
+}
 
 __attribute__((noreturn)) static void rt_child(const rt_config *cfg, rt_system sys, int idx,
 					       struct slot *slot, int ready_fd, int go_fd,
@@ -300,10 +324,13 @@ int rt_run(const rt_config *cfg, rt_system sys, int clients, uint64_t dur_ns, rt
 	size_t bytes = (size_t)clients * sizeof(struct slot);
 	struct slot *slots;
 	int ready[2], go[2], got = 0, failed = 0, rc = -1;
+	int cpu_pid = cfg->cpu_pid[sys];
+	int64_t cpu0 = -1, cpu1 = -1;
 	pid_t *pids;
 	hist *all;
 
 	memset(out, 0, sizeof(*out));
+	out->cpu_us = NAN;
 	err[0] = 0;
 	bench_set_pinned(clients == 1);
 	slots = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -358,6 +385,8 @@ int rt_run(const rt_config *cfg, rt_system sys, int clients, uint64_t dur_ns, rt
 		}
 		got += (int)r;
 	}
+	if (cpu_pid > 0 && !failed)
+		cpu0 = cpu_ns(cpu_pid);
 	close(go[1]); /* go (or, after a failure, give up) */
 	for (int i = 0; i < clients && pids[i] > 0; i++) {
 		int st;
@@ -374,6 +403,8 @@ int rt_run(const rt_config *cfg, rt_system sys, int clients, uint64_t dur_ns, rt
 		}
 	}
 	close(ready[0]);
+	if (cpu0 >= 0)
+		cpu1 = cpu_ns(cpu_pid);
 	if (!failed) {
 		double tput = 0;
 
@@ -386,6 +417,8 @@ int rt_run(const rt_config *cfg, rt_system sys, int clients, uint64_t dur_ns, rt
 		out->p50_us = hist_quantile(all, 0.50) / 1e3;
 		out->p99_us = hist_quantile(all, 0.99) / 1e3;
 		out->ops_per_s = tput;
+		if (cpu1 >= cpu0 && cpu0 >= 0 && out->ops)
+			out->cpu_us = (double)(cpu1 - cpu0) / 1e3 / (double)out->ops;
 		rc = 0;
 	}
 	goto err_mem;
@@ -417,18 +450,29 @@ static double paired_ratio(const double *a, const double *b, int n)
 	return m;
 }
 
-static const char *sys_name[] = {"bufbroker", "echo", "redis", "journal"};
-#define RT_SYSTEMS 4
+static const char *sys_name[] = {"bufbroker", "echo", "redis", "journal", "no-journal"};
+#define RT_SYSTEMS 5
 
 /* Whether system s runs at client count c: Redis when it is there; the
- * journal-on daemon at 1 and 16 clients, where its targets are. */
+ * journal-on daemon and its twin at 1 and 16 clients, where its targets
+ * are. */
 static int rt_runs(const bench_opts *o, int s, int c)
 {
+	int jc = o->rt.journal_socket && (o->counts[c] == 1 || o->counts[c] == 16);
+
 	if (s == RT_REDIS)
 		return rt_have_redis() && o->rt.redis_socket;
 	if (s == RT_JOURNAL)
-		return o->rt.journal_socket && (o->counts[c] == 1 || o->counts[c] == 16);
+		return jc;
+	if (s == RT_NOJOURNAL)
+		return jc && o->rt.twin_socket;
 	return 1;
+}
+
+/* What the journal-on daemon is paired with: its twin, else the first. */
+static rt_system journal_base(const bench_opts *o)
+{
+	return o->rt.twin_socket ? RT_NOJOURNAL : RT_BUFBROKER;
 }
 
 void scenario_roundtrip(const bench_opts *o)
@@ -437,19 +481,25 @@ void scenario_roundtrip(const bench_opts *o)
 	double *p50 = calloc((size_t)n, sizeof(double));
 	double *p99 = calloc((size_t)n, sizeof(double));
 	double *tput = calloc((size_t)n, sizeof(double));
+	double *cpu = calloc((size_t)n, sizeof(double));
 	char errs[RT_SYSTEMS][8][200] = {{{0}}};
 	char err[200];
 
-	if (!p50 || !p99 || !tput) {
+	if (!p50 || !p99 || !tput || !cpu) {
 		fprintf(stderr, "bufbroker-bench: out of memory\n");
 		exit(1);
 	}
 #define AT(s, c, r) (((s)*o->ncounts + (c)) * o->reps + (r))
 	/* Interleaved: each repetition visits every count and every system, so
-	 * drift on a shared machine touches all of them alike. */
+	 * drift on a shared machine touches all of them alike. Every other
+	 * repetition visits the systems in the reverse order, so that no
+	 * system is always the one measured first (or right after another):
+	 * the journal-on daemon and its twin run back to back, each first in
+	 * half the repetitions. */
 	for (int r = 0; r < o->reps; r++) {
 		for (int c = 0; c < o->ncounts; c++) {
-			for (int s = 0; s < RT_SYSTEMS; s++) {
+			for (int i = 0; i < RT_SYSTEMS; i++) {
+				int s = r % 2 ? RT_SYSTEMS - 1 - i : i;
 				rt_figures f;
 
 				if (!rt_runs(o, s, c))
@@ -461,11 +511,12 @@ void scenario_roundtrip(const bench_opts *o)
 					p50[AT(s, c, r)] = f.p50_us;
 					p99[AT(s, c, r)] = f.p99_us;
 					tput[AT(s, c, r)] = f.ops_per_s;
+					cpu[AT(s, c, r)] = f.cpu_us;
 				} else {
 					fprintf(stderr, "  round trip %s: %s\n", sys_name[s], err);
 					snprintf(errs[s][c], sizeof(errs[s][c]), "%s", err);
 					p50[AT(s, c, r)] = p99[AT(s, c, r)] = tput[AT(s, c, r)] =
-						NAN;
+						cpu[AT(s, c, r)] = NAN;
 				}
 			}
 		}
@@ -474,7 +525,7 @@ void scenario_roundtrip(const bench_opts *o)
 		for (int s = 0; s < RT_SYSTEMS; s++) {
 			char name[64], label[64];
 
-			if (s == RT_JOURNAL && !rt_runs(o, s, c))
+			if ((s == RT_JOURNAL || s == RT_NOJOURNAL) && !rt_runs(o, s, c))
 				continue; /* no row: it is not measured at this count */
 			snprintf(name, sizeof(name), "roundtrip.%s.c%d", sys_name[s], o->counts[c]);
 			snprintf(label, sizeof(label), "%s", sys_name[s]);
@@ -504,8 +555,18 @@ void scenario_roundtrip(const bench_opts *o)
 								&tput[AT(RT_REDIS, c, 0)], o->reps);
 			/* Journal on over off, ops/s, paired the same way. */
 			if (s == RT_JOURNAL)
-				res->r_base = paired_ratio(&tput[AT(s, c, 0)],
-							   &tput[AT(RT_BUFBROKER, c, 0)], o->reps);
+				res->r_base =
+					paired_ratio(&tput[AT(s, c, 0)],
+						     &tput[AT(journal_base(o), c, 0)], o->reps);
+			/* And the daemon's CPU time per op, where it was read. */
+			if (s == RT_JOURNAL && o->rt.cpu_pid[RT_JOURNAL] > 0)
+				res->r_cpu = paired_ratio(&cpu[AT(s, c, 0)],
+							  &cpu[AT(RT_NOJOURNAL, c, 0)], o->reps);
+			if (o->rt.cpu_pid[s] > 0) {
+				snprintf(res->extra_name, sizeof(res->extra_name),
+					 "daemon_cpu_us_per_op");
+				res->extra = median(&cpu[AT(s, c, 0)], o->reps);
+			}
 		}
 	}
 	for (int c = 0; c < o->ncounts; c++) {
@@ -531,6 +592,7 @@ void scenario_roundtrip(const bench_opts *o)
 	free(p50);
 	free(p99);
 	free(tput);
+	free(cpu);
 }
 
 /* ---- the echo server -------------------------------------------------------------- */

@@ -222,7 +222,7 @@ result *result_new(const char *name, const char *group, const char *system, cons
 	snprintf(r->label, sizeof(r->label), "%s", label);
 	r->p50_us = r->p99_us = r->ops_per_s = r->ns_per_op = r->gbps = NAN;
 	r->rss_per_buf = r->extra = r->huge_share = NAN;
-	r->r_p50_echo = r->r_ops_echo = r->r_ops_redis = r->r_base = r->r_private = NAN;
+	r->r_p50_echo = r->r_ops_echo = r->r_ops_redis = r->r_base = r->r_private = r->r_cpu = NAN;
 	return r;
 }
 
