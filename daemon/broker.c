@@ -817,6 +817,8 @@ static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, b
 	char h1[32], h2[32];
 	int rc;
 
+	if (req->handle_refused)
+		*req->handle_refused = false;
 	if (req->size == 0)
 		return fail(err, BB_ERR_INVALID, "size must be greater than 0");
 	if (!bb_kind_valid(req->kind))
@@ -889,6 +891,9 @@ static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, b
 	if (rc) {
 		/* BACKEND_GROW passes through: the caller retries later. */
 		fail(err, rc, "%s", msg[0] ? msg : "the backend could not provide the memory");
+		if (req->handle_refused && rc == BB_ERR_UNSUPPORTED &&
+		    handle == BACKEND_HANDLE_REFUSED)
+			*req->handle_refused = true;
 		goto err_usage;
 	}
 	/* The handle kind the backend gave decides the record's size. */

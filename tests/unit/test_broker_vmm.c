@@ -38,11 +38,17 @@ typedef struct slab_mem {
 static uint64_t next_allocation = 1; /* the allocation the next alloc lies in */
 static int live;                     /* mems not yet freed */
 static int exported;                 /* sb_export calls */
+static int refused_kind;             /* a handle kind sb_alloc cannot give; 0: none */
 
 static int sb_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		    backend_mem *out, char *err, size_t errlen)
 {
-	(void)be, (void)device, (void)uid, (void)share, (void)err, (void)errlen;
+	(void)be, (void)device, (void)uid, (void)share;
+	if (refused_kind && *handle == refused_kind) {
+		snprintf(err, errlen, "handle kind %d cannot be had", refused_kind);
+		*handle = BACKEND_HANDLE_REFUSED;
+		return BB_ERR_UNSUPPORTED;
+	}
 	slab_mem *m = calloc(1, sizeof(*m));
 	cr_assert_not_null(m);
 	m->allocation = next_allocation;
@@ -154,6 +160,7 @@ static void setup(void)
 	broker_set_backend(b, BB_CUDA, &slabs, NULL);
 	next_allocation = 1;
 	live = 0;
+	refused_kind = 0;
 }
 
 static void teardown(void)
@@ -541,4 +548,34 @@ Test(broker_vmm, a_restored_vmm_buffer_is_journaled_where_its_record_said)
 	broker_free(before);
 	journal_free(j2);
 	journal_free(j1);
+}
+
+/* ---- a handle kind that cannot be had ---------------------------------------------- */
+
+Test(broker_vmm, a_refused_handle_kind_is_said_apart_from_other_refusals)
+{
+	broker_conn *a = conn(UID_A);
+	broker_buf *buf;
+	bool refused = false;
+	broker_alloc_req req = {.size = 4096,
+				.kind = BB_CUDA,
+				.import_fd = -1,
+				.cuda_handle = BB_CUDA_HANDLE_LEGACY,
+				.handle_refused = &refused};
+	refused_kind = BB_CUDA_HANDLE_LEGACY;
+	cr_assert_eq(broker_alloc(b, a, &req, &buf, &err), BB_ERR_UNSUPPORTED);
+	cr_assert(refused, "the backend refused the kind: %s", err.msg);
+	cr_assert_str_eq(err.msg, "handle kind 2 cannot be had");
+
+	/* Refused for another reason: the slab backend imports no fd. */
+	req.import_fd = 0;
+	cr_assert_eq(broker_alloc(b, a, &req, &buf, &err), BB_ERR_UNSUPPORTED);
+	cr_assert_not(refused, "%s", err.msg);
+
+	/* A kind the backend gives. */
+	req.import_fd = -1;
+	refused = true;
+	req.cuda_handle = BB_CUDA_HANDLE_VMM;
+	cr_assert_eq(broker_alloc(b, a, &req, &buf, &err), 0, "%s", err.msg);
+	cr_assert_not(refused);
 }

@@ -229,6 +229,7 @@ Test(cuda_vmm, auto_is_legacy_where_vmm_is_forbidden)
 	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_VMM, &got, &m), BB_ERR_UNSUPPORTED);
 	cr_assert(strstr(err, "forbidden by the operator") && strstr(err, "cuda-forbid = vmm"),
 		  "%s", err);
+	cr_assert_eq(got, BACKEND_HANDLE_REFUSED, "the caller learns it was the kind");
 }
 
 Test(cuda_vmm, legacy_forbidden_is_refused_never_replaced)
@@ -238,6 +239,7 @@ Test(cuda_vmm, legacy_forbidden_is_refused_never_replaced)
 	int got;
 	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_LEGACY, &got, &m), BB_ERR_UNSUPPORTED);
 	cr_assert(strstr(err, "cuda-forbid = legacy"), "%s", err);
+	cr_assert_eq(got, BACKEND_HANDLE_REFUSED, "the caller learns it was the kind");
 	m = alloc_kind(4096, BB_CUDA_HANDLE_AUTO, BB_CUDA_HANDLE_VMM);
 	be->free(be, &m);
 }
@@ -250,6 +252,7 @@ Test(cuda_vmm, a_device_that_cannot_export_fds_refuses_vmm_and_auto_is_legacy)
 	backend_mem m;
 	int got;
 	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_VMM, &got, &m), BB_ERR_UNSUPPORTED);
+	cr_assert_eq(got, BACKEND_HANDLE_REFUSED, "the caller learns it was the kind");
 	cr_assert(strstr(err, "device 0 cannot export allocations as file descriptors") &&
 			  strstr(err, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_"
 				      "SUPPORTED"),
