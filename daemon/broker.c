@@ -2127,11 +2127,13 @@ static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *produ
 		return fail(err, BB_ERR_PROTOCOL, "buffer %" PRIu64 ": device %d out of range",
 			    r->id, (int)r->device);
 
-	bool vmm = r->cuda_handle == BB_CUDA_HANDLE_VMM;
-	broker_buf *buf = calloc(1, buf_record_size(vmm ? BB_CUDA_HANDLE_VMM : 0));
+	/* Sized by the byte the record keeps (journal_check refuses a kind
+	 * beyond VMM; this holds without it). */
+	uint8_t handle = (uint8_t)r->cuda_handle;
+	broker_buf *buf = calloc(1, buf_record_size(handle));
 	if (!buf)
 		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
-	if (vmm)
+	if (handle == BB_CUDA_HANDLE_VMM)
 		*place_of(buf) = (buf_place){.allocation = r->allocation,
 					     .offset = r->offset,
 					     .allocation_size = r->allocation_size};
@@ -2174,7 +2176,7 @@ static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *produ
 	buf->owner_uid = r->owner_uid;
 	buf->owner_gid = r->owner_gid;
 	buf->share = (uint8_t)r->share;
-	buf->cuda_handle = (uint8_t)r->cuda_handle;
+	buf->cuda_handle = handle;
 	buf->created_ms = now(b);
 	buf->be = be;
 	buf->jslot = JOURNAL_NO_SLOT;

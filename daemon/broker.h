@@ -152,7 +152,7 @@ typedef struct broker_alloc_req {
 	int share;            /* BB_SHARE_* */
 	int import_fd;        /* -1: allocate from the backend; else import this fd */
 	int cuda_handle;      /* BB_CUDA_HANDLE_*: what CUDA handle kind is asked for;
-			   * host buffers take DEFAULT only */
+			       * host buffers take DEFAULT only */
 	bool *handle_refused; /* NULL, or set by broker_alloc: whether it failed
 			       * BB_ERR_UNSUPPORTED because that kind cannot be
 			       * had on this daemon (the backend said so) */
