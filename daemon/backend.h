@@ -60,6 +60,11 @@ struct backend_job {
  * BB_ERR_* code. */
 #define BACKEND_GROW 1
 
+/* What alloc sets *handle to when it refuses because the CUDA handle kind
+ * asked for (DEFAULT: the configured one) cannot be had: the caller knows
+ * why without reading the sentence. Never a BB_CUDA_HANDLE_* value. */
+#define BACKEND_HANDLE_REFUSED (-1)
+
 /* One device a backend serves, for status reports. */
 typedef struct backend_device {
 	int ordinal;                        /* as the daemon numbers devices */
@@ -83,8 +88,9 @@ struct backend {
 	 * different uids or policies never shares an allocation). *handle is
 	 * the CUDA handle kind asked for (BB_CUDA_HANDLE_*; host: DEFAULT) and
 	 * becomes the one given (LEGACY or VMM for CUDA; a kind that cannot be
-	 * had is BB_ERR_UNSUPPORTED with why, never another kind). 0,
-	 * BACKEND_GROW, or BB_ERR_* with a sentence in err (errlen bytes). */
+	 * had is BB_ERR_UNSUPPORTED with why and *handle
+	 * BACKEND_HANDLE_REFUSED, never another kind). 0, BACKEND_GROW, or
+	 * BB_ERR_* with a sentence in err (errlen bytes). */
 	int (*alloc)(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		     backend_mem *out, char *err, size_t errlen);
 	/* Adopt memory a client handed over as fd (the caller keeps its own fd;

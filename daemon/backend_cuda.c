@@ -846,8 +846,11 @@ static int cuda_alloc(backend *be, uint64_t size, int device, uint32_t uid, int 
 		snprintf(err, errlen, "%s is too large for a CUDA buffer", human(size, h));
 		return BB_ERR_INVALID;
 	}
-	if ((rc = choose_handle(cu, &cu->devs[device], *handle, &kind, err, errlen)))
+	if ((rc = choose_handle(cu, &cu->devs[device], *handle, &kind, err, errlen))) {
+		if (rc == BB_ERR_UNSUPPORTED)
+			*handle = BACKEND_HANDLE_REFUSED;
 		return rc;
+	}
 	pool *p = pool_get(cu, device, uid, share, kind);
 	extent *x = calloc(1, sizeof(*x));
 	if (!p || !x) {

@@ -100,6 +100,35 @@ _Static_assert(offsetof(struct broker_buf, id) == 0,
 _Static_assert(sizeof(void *) != 8 || sizeof(struct broker_buf) <= 136,
 	       "a broker_buf outgrew its malloc chunk");
 
+/* Where a VMM buffer lies, which every journal put of it writes (a restart
+ * imports the allocation again and marks the buffer's range in it). Fixed
+ * when the buffer is made: alloc asks the backend once, a restore takes it
+ * from the journal record. */
+typedef struct buf_place {
+	uint64_t allocation;      /* the allocation's identity */
+	uint64_t offset;          /* the buffer's start in it */
+	uint64_t allocation_size; /* the allocation's bytes */
+} buf_place;
+
+/* A VMM buffer's record: only such buffers pay for a place (the others
+ * keep their chunk size); buf->cuda_handle says which a broker_buf is. */
+typedef struct vmm_buf {
+	broker_buf buf;  /* first: a VMM buffer's broker_buf * points here */
+	buf_place place; /* not journaled once its memory is lost */
+} vmm_buf;
+
+/* Bytes of the record of a buffer of handle kind cuda_handle. */
+static size_t buf_record_size(int cuda_handle)
+{
+	return cuda_handle == BB_CUDA_HANDLE_VMM ? sizeof(vmm_buf) : sizeof(broker_buf);
+}
+
+/* The place of buf, a VMM buffer. */
+static buf_place *place_of(broker_buf *buf)
+{
+	return &((vmm_buf *)buf)->place;
+}
+
 /* broker_buf.flags: the first two are journaled as JOURNAL_BUF_*. */
 #define BUF_IMPORTED JOURNAL_BUF_IMPORTED /* its fd came from a client */
 #define BUF_EXPOSED JOURNAL_BUF_EXPOSED   /* granted to another uid */
@@ -403,13 +432,10 @@ static void jput_buf(broker *b, broker_buf *buf)
 		.flags = buf->flags,
 	};
 	if (buf->cuda_handle == BB_CUDA_HANDLE_VMM && !(buf->flags & BUF_LOST)) {
-		backend_export ex = {.fd = -1};
-		char msg[64];
-		if (buf->be->export_mem(buf->be, &buf->mem, &ex, msg, sizeof(msg)) == 0) {
-			r.allocation = ex.allocation;
-			r.offset = ex.offset;
-			r.allocation_size = ex.allocation_size;
-		}
+		const buf_place *p = place_of(buf);
+		r.allocation = p->allocation;
+		r.offset = p->offset;
+		r.allocation_size = p->allocation_size;
 	}
 	if (buf->name)
 		snprintf(r.name, sizeof(r.name), "%s", buf->name->text);
@@ -791,6 +817,8 @@ static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, b
 	char h1[32], h2[32];
 	int rc;
 
+	if (req->handle_refused)
+		*req->handle_refused = false;
 	if (req->size == 0)
 		return fail(err, BB_ERR_INVALID, "size must be greater than 0");
 	if (!bb_kind_valid(req->kind))
@@ -850,33 +878,53 @@ static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, b
 			    conn->uid, h1, bb_kind_name(req->kind), h2, bb_kind_name(req->kind));
 	}
 
-	broker_buf *buf = calloc(1, sizeof(*buf));
-	if (!buf)
+	if (!(u = usage_of(b, conn->uid, true)))
 		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	char msg[BROKER_ERR_LEN] = "";
+	int handle = req->cuda_handle;
+	backend_mem mem = {.fd = -1};
+	if (req->import_fd >= 0)
+		rc = be->import_fd(be, req->import_fd, req->size, &mem, msg, sizeof(msg));
+	else
+		rc = be->alloc(be, req->size, req->device, conn->uid, req->share, &handle, &mem,
+			       msg, sizeof(msg));
+	if (rc) {
+		/* BACKEND_GROW passes through: the caller retries later. */
+		fail(err, rc, "%s", msg[0] ? msg : "the backend could not provide the memory");
+		if (req->handle_refused && rc == BB_ERR_UNSUPPORTED &&
+		    handle == BACKEND_HANDLE_REFUSED)
+			*req->handle_refused = true;
+		goto err_usage;
+	}
+	/* The handle kind the backend gave decides the record's size. */
+	if (req->kind != BB_CUDA || handle <= 0 || handle >= BROKER_CUDA_HANDLES)
+		handle = BB_CUDA_HANDLE_DEFAULT;
+	broker_buf *buf = calloc(1, buf_record_size(handle));
+	if (!buf) {
+		rc = fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+		goto err_mem;
+	}
+	buf->mem = mem;
 	if (name) {
 		size_t len = strlen(name);
 		if (!(buf->name = calloc(1, sizeof(*buf->name) + len + 1))) {
-			free(buf);
-			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+			rc = fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+			goto err_buf;
 		}
 		buf->name->buf = buf;
 		memcpy(buf->name->text, name, len + 1);
 	}
-	if (!(u = usage_of(b, conn->uid, true))) {
-		rc = fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
-		goto err_buf;
-	}
-	char msg[BROKER_ERR_LEN] = "";
-	int handle = req->cuda_handle;
-	if (req->import_fd >= 0)
-		rc = be->import_fd(be, req->import_fd, req->size, &buf->mem, msg, sizeof(msg));
-	else
-		rc = be->alloc(be, req->size, req->device, conn->uid, req->share, &handle,
-			       &buf->mem, msg, sizeof(msg));
-	if (rc) {
-		/* BACKEND_GROW passes through: the caller retries later. */
-		fail(err, rc, "%s", msg[0] ? msg : "the backend could not provide the memory");
-		goto err_usage;
+	if (handle == BB_CUDA_HANDLE_VMM) {
+		/* Asked once: where a buffer lies never changes. */
+		backend_export ex = {.fd = -1};
+		if ((rc = be->export_mem(be, &mem, &ex, msg, sizeof(msg)))) {
+			fail(err, rc, "%s",
+			     msg[0] ? msg : "the backend could not say where the memory lies");
+			goto err_buf;
+		}
+		*place_of(buf) = (buf_place){.allocation = ex.allocation,
+					     .offset = ex.offset,
+					     .allocation_size = ex.allocation_size};
 	}
 
 	buf->jslot = JOURNAL_NO_SLOT;
@@ -890,13 +938,11 @@ static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, b
 	buf->share = req->share;
 	buf->created_ms = now(b);
 	buf->be = be;
-	buf->cuda_handle = req->kind == BB_CUDA && handle > 0 && handle < BROKER_CUDA_HANDLES
-				   ? (uint8_t)handle
-				   : BB_CUDA_HANDLE_DEFAULT;
+	buf->cuda_handle = (uint8_t)handle;
 	buf->flags = req->import_fd >= 0 ? BUF_IMPORTED : 0;
 	if ((rc = idmap_insert(&b->by_id, buf, 0))) {
 		fail(err, rc, "daemon out of memory");
-		goto err_mem;
+		goto err_buf;
 	}
 	if ((rc = hold(conn, buf, 1, NULL, err)))
 		goto err_by_id;
@@ -920,16 +966,16 @@ static int alloc_op(broker *b, broker_conn *conn, const broker_alloc_req *req, b
 
 err_by_id:
 	idmap_remove(&b->by_id, idmap_find(&b->by_id, buf->id));
+err_buf:
+	free(buf->name);
+	free(buf);
 err_mem:
-	be->free(be, &buf->mem);
+	be->free(be, &mem);
 err_usage:
 	if (u->buffers == 0) {
 		HASH_DELETE(hh, b->uids, u);
 		free(u);
 	}
-err_buf:
-	free(buf->name);
-	free(buf);
 	return rc;
 }
 
@@ -2081,9 +2127,16 @@ static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *produ
 		return fail(err, BB_ERR_PROTOCOL, "buffer %" PRIu64 ": device %d out of range",
 			    r->id, (int)r->device);
 
-	broker_buf *buf = calloc(1, sizeof(*buf));
+	/* Sized by the byte the record keeps (journal_check refuses a kind
+	 * beyond VMM; this holds without it). */
+	uint8_t handle = (uint8_t)r->cuda_handle;
+	broker_buf *buf = calloc(1, buf_record_size(handle));
 	if (!buf)
 		return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
+	if (handle == BB_CUDA_HANDLE_VMM)
+		*place_of(buf) = (buf_place){.allocation = r->allocation,
+					     .offset = r->offset,
+					     .allocation_size = r->allocation_size};
 	if (r->name[0]) {
 		size_t len = strlen(r->name);
 		if (!(buf->name = calloc(1, sizeof(*buf->name) + len + 1))) {
@@ -2123,7 +2176,7 @@ static int restore_buffer(broker *b, const journal_buffer *r, broker_conn *produ
 	buf->owner_uid = r->owner_uid;
 	buf->owner_gid = r->owner_gid;
 	buf->share = (uint8_t)r->share;
-	buf->cuda_handle = (uint8_t)r->cuda_handle;
+	buf->cuda_handle = handle;
 	buf->created_ms = now(b);
 	buf->be = be;
 	buf->jslot = JOURNAL_NO_SLOT;

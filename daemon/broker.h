@@ -148,11 +148,14 @@ typedef struct broker_alloc_req {
 	uint64_t size; /* > 0 */
 	bb_kind kind;
 	int device;
-	const char *name; /* NULL or "" = unnamed; at most BB_NAME_MAX bytes */
-	int share;        /* BB_SHARE_* */
-	int import_fd;    /* -1: allocate from the backend; else import this fd */
-	int cuda_handle;  /* BB_CUDA_HANDLE_*: what CUDA handle kind is asked for;
-			   * host buffers take DEFAULT only */
+	const char *name;     /* NULL or "" = unnamed; at most BB_NAME_MAX bytes */
+	int share;            /* BB_SHARE_* */
+	int import_fd;        /* -1: allocate from the backend; else import this fd */
+	int cuda_handle;      /* BB_CUDA_HANDLE_*: what CUDA handle kind is asked for;
+			       * host buffers take DEFAULT only */
+	bool *handle_refused; /* NULL, or set by broker_alloc: whether it failed
+			       * BB_ERR_UNSUPPORTED because that kind cannot be
+			       * had on this daemon (the backend said so) */
 } broker_alloc_req;
 
 /* A parked Wait. The caller owns the memory and embeds it in its own

@@ -317,6 +317,7 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 {
 	broker_error err;
 	broker_buf *buf;
+	bool handle_refused = false;
 	if (share > BB_SHARE_ANY) {
 		/* The broker's int cannot hold every uint32 the wire can. */
 		char msg[64];
@@ -337,13 +338,14 @@ static int alloc_try(req_ctx *r, uint64_t size, int kind, int32_t device, const 
 		.share = (int)share,
 		.import_fd = fd,
 		.cuda_handle = cuda_handle,
+		.handle_refused = &handle_refused,
 	};
 	int rc = broker_alloc(r->c->h->b, r->c->bc, &req, &buf, &err);
 	if (rc == BACKEND_GROW)
 		return rc;
-	if (rc == BB_ERR_UNSUPPORTED && r->c->minor < 2 && kind == BB_CUDA &&
-	    strstr(err.msg, "(cuda-forbid = legacy)")) {
-		/* Say why the other kind would not do either. */
+	if (rc == BB_ERR_UNSUPPORTED && handle_refused && r->c->minor < 2) {
+		/* Legacy, the one kind it maps, cannot be had: say why the
+		 * other kind would not do either. */
 		size_t n = strlen(err.msg);
 		snprintf(err.msg + n, sizeof(err.msg) - n,
 			 "; this client speaks protocol 1.%u, which maps legacy CUDA buffers "

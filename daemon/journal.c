@@ -888,6 +888,11 @@ int journal_check(const journal_state *s, char *report, size_t len)
 			problem(&r, "buffer %llu: state %u", (unsigned long long)b->id, b->state);
 		if (b->share > BB_SHARE_ANY)
 			problem(&r, "buffer %llu: share %u", (unsigned long long)b->id, b->share);
+		/* The broker counts buffers per handle kind and sizes a VMM
+		 * buffer's record by it. */
+		if (b->cuda_handle > BB_CUDA_HANDLE_VMM)
+			problem(&r, "buffer %llu: CUDA handle kind %u", (unsigned long long)b->id,
+				b->cuda_handle);
 		if (!b->size)
 			problem(&r, "buffer %llu: size 0", (unsigned long long)b->id);
 		if (b->cuda_handle == BB_CUDA_HANDLE_VMM && b->allocation &&

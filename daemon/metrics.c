@@ -229,18 +229,18 @@ static int render_snapshot(const snapshot *snap, char **out, size_t *len)
 	/* CUDA buffers by how they are shared: the wire's CudaHandle names. */
 	static const char *const handles[] = {
 		[BB_CUDA_HANDLE_LEGACY] = "legacy", [BB_CUDA_HANDLE_VMM] = "vmm"};
+	_Static_assert(BB_CUDA_HANDLE_VMM == BB_CUDA_HANDLE_LEGACY + 1,
+		       "the loops below visit only the kinds named above");
 	family(f, "bufbroker_cuda_buffers", "gauge",
 	       "Live CUDA buffers, by handle kind (legacy IPC handle, or VMM fd).");
 	for (int h = BB_CUDA_HANDLE_LEGACY; h <= BB_CUDA_HANDLE_VMM; h += 1)
-		if (handles[h])
-			fprintf(f, "bufbroker_cuda_buffers{handle=\"%s\"} %" PRIu64 "\n",
-				handles[h], t.cuda_buffers[h]);
+		fprintf(f, "bufbroker_cuda_buffers{handle=\"%s\"} %" PRIu64 "\n", handles[h],
+			t.cuda_buffers[h]);
 	family(f, "bufbroker_cuda_buffer_bytes", "gauge",
 	       "Bytes of live CUDA buffers (their sizes), by handle kind.");
 	for (int h = BB_CUDA_HANDLE_LEGACY; h <= BB_CUDA_HANDLE_VMM; h += 1)
-		if (handles[h])
-			fprintf(f, "bufbroker_cuda_buffer_bytes{handle=\"%s\"} %" PRIu64 "\n",
-				handles[h], t.cuda_bytes[h]);
+		fprintf(f, "bufbroker_cuda_buffer_bytes{handle=\"%s\"} %" PRIu64 "\n", handles[h],
+			t.cuda_bytes[h]);
 	family(f, "bufbroker_tokens", "gauge", "Live tokens (taken, not yet adopted or expired).");
 	fprintf(f, "bufbroker_tokens %" PRIu64 "\n", t.tokens);
 	family(f, "bufbroker_parked_waits", "gauge", "Wait requests parked on pending buffers.");

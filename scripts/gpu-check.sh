@@ -82,10 +82,14 @@ export BUFBROKERD="$BUILD/bufbrokerd" BUFBROKER_CLI="$BUILD/bufbroker"
 export BB_PRODUCER="$BUILD/bb-producer" BB_CONSUMER="$BUILD/bb-consumer" BUFBROKERD_CONFIG=/dev/null
 [[ -x $BUFBROKER_CLI ]] || BUFBROKER_CLI="$BUILD/bufbroker_cli"
 
-GPU=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1)
+# Outputs are read whole before a grep or head: one that stops reading
+# early SIGPIPEs a writer still writing, which pipefail counts as failure.
+GPU=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)
+GPU=${GPU%%$'\n'*}
 [[ -z $FAKE ]] || GPU="the fake driver $FAKE (no GPU: these figures are not a GPU's)"
 log "GPU: ${GPU:-unknown (no nvidia-smi)}"
-if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1'; then
+cache=$(/sbin/ldconfig -p 2>/dev/null)
+if ! grep -q 'libcuda\.so\.1' <<<"$cache"; then
 	[[ -e /usr/lib/x86_64-linux-gnu/libcuda.so.1 || -e /usr/lib64/libcuda.so.1 ]] ||
 		log "libcuda.so.1 not in the loader cache: the tests will say whether it loads"
 fi
@@ -103,7 +107,7 @@ suite()
 	if [[ $rc -eq 124 || $rc -eq 137 ]]; then
 		line="TIMED OUT after ${secs}s; $line"
 	elif [[ $rc -eq 77 ]]; then
-		line="SKIPPED: $(grep -a '^SKIP' "$logf" | head -n1)"
+		line="SKIPPED: $(grep -a -m1 '^SKIP' "$logf")"
 	elif [[ $rc -ne 0 ]]; then
 		line="FAILED (exit $rc); $line"
 		FAILED=1
@@ -112,7 +116,7 @@ suite()
 	SUITE_NAME+=("$name")
 	SUITE_RESULT+=("${line:-exit $rc}")
 	if [[ $rc -ne 0 && $rc -ne 77 ]]; then
-		grep -a -E '\[(FAIL|----)\]|Assertion|failed' "$logf" | head -n 20 >&2
+		grep -a -m 20 -E '\[(FAIL|----)\]|Assertion|failed' "$logf" >&2
 	fi
 }
 FAILED=0
@@ -156,7 +160,7 @@ else:
     print("-")
 EOF
 	else
-		grep -o "\"name\": \"$1\"[^}]*" "$f" | grep -o '"p50_us": [0-9.]*' | head -n1 |
+		grep -o "\"name\": \"$1\"[^}]*" "$f" | grep -m1 -o '"p50_us": [0-9.]*' |
 			awk '{printf "%.1f\n", $2} END {if (NR == 0) print "-"}'
 	fi
 }

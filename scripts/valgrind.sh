@@ -129,7 +129,9 @@ for t in $tests; do
 		for f in $bad; do
 			echo "---- $f"
 			grep -E '^==[0-9]+== (Command:|Parent PID:)' "$f"
-			sed -n '/^==[0-9]*== \(Invalid\|Mismatched\|Conditional\|Use of\|Syscall\|Source and\|Jump to\|Argument\|.* are \(definitely\|indirectly\|possibly\) lost\)/,/^==[0-9]*== $/p' "$f" | head -n 80
+			# Read whole, then cut: head on the pipe would SIGPIPE sed.
+			errors=$(sed -n '/^==[0-9]*== \(Invalid\|Mismatched\|Conditional\|Use of\|Syscall\|Source and\|Jump to\|Argument\|.* are \(definitely\|indirectly\|possibly\) lost\)/,/^==[0-9]*== $/p' "$f")
+			head -n 80 <<<"$errors"
 		done
 	else
 		nlogs=$(find "$logs" -maxdepth 1 -name "$t.*.log" | wc -l)

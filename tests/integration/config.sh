@@ -226,8 +226,11 @@ STEP="[cuda] enabled, slab_bytes, cache_bytes, device_bytes"
 	fail "device limit is not 24M: $st"
 [[ $(json "d['devices'][0]['vmm'], d['devices'][0]['vmm_allocations']" <<<"$st") == "True 0" ]] ||
 	fail "status does not say that VMM buffers can be had (forbid = legacy): $st"
-cli status | grep -q "^  vmm           yes, 0 allocations held$" ||
-	fail "the status text has no vmm line: $(cli status)"
+# The output first, then grep (grep -q on a pipe exits at its match and
+# pipefail fails the step when the writer is SIGPIPEd).
+text=$(cli status)
+grep -q "^  vmm           yes, 0 allocations held$" <<<"$text" ||
+	fail "the status text has no vmm line: $text"
 grep -q "event=cuda_ready .*slab_bytes=2097152 cache_bytes=6291456 handle=auto forbid=legacy max_vmm_allocations=8" "$LOG" ||
 	fail "the CUDA backend did not get slab_bytes=2M cache_bytes=6M handle=auto forbid=legacy max_vmm_allocations=8"
 

@@ -36,8 +36,9 @@ DESTDIR=$STAGE cmake --install "$BB_BUILD_DIR" >"$DIR/install.log" 2>&1 ||
 for f in include/bufbroker/bufbroker.h sbin/bufbrokerd bin/bufbroker; do
 	[[ -e $PREFIX/$f ]] || fail "$f was not installed"
 done
-find "$STAGE" -name bufbrokerd.conf | grep -q . || fail "the example config was not installed"
-pcdir=$(dirname "$(find "$PREFIX" -name bufbroker.pc | head -n1)")
+[[ -n $(find "$STAGE" -name bufbrokerd.conf -print -quit) ]] ||
+	fail "the example config was not installed"
+pcdir=$(dirname "$(find "$PREFIX" -name bufbroker.pc -print -quit)")
 [[ -n $pcdir ]] || fail "bufbroker.pc was not installed"
 libdir=$(dirname "$pcdir")
 ls "$libdir"/libbufbroker.so.0 "$libdir"/libbufbroker.a >/dev/null || fail "libraries missing in $libdir"

@@ -99,5 +99,6 @@ for f in sbin/bufbrokerd bin/bufbroker include/bufbroker/bufbroker.h \
 	lib/systemd/system/bufbrokerd.socket lib/sysusers.d/bufbroker.conf; do
 	[[ -e $PREFIX/$f ]] || fail "$f is not under the prefix"
 done
-find "$PREFIX" -name 'libbufbroker.so.0' | grep -q . || fail "libbufbroker.so.0 is not under the prefix"
+[[ -n $(find "$PREFIX" -name 'libbufbroker.so.0' -print -quit) ]] ||
+	fail "libbufbroker.so.0 is not under the prefix"
 echo "PASS: cmake --install --prefix wrote $(sort -u "$DIR/written" | wc -l) paths, all under the prefix"

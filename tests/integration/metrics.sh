@@ -357,7 +357,10 @@ if [[ -n ${BB_FAKECUDA:-} && -n ${BB_BUILD_DIR:-} && -n ${BB_SOURCE_DIR:-} ]]; t
 	[[ -n $uuid ]] || fail "no cuda_device line: $(cat "$LOGC")"
 	# A 1 MiB CUDA buffer left alive by its token, then 16 MiB over the
 	# 8 MiB device limit, then 40 MiB over the uid's 32 MiB of CUDA buffers.
-	PY_ASAN=$(ldd "$BB_BUILD_DIR/libbufbroker.so.0" | awk '/libasan\.so/ { print $3; exit }')
+	# (ldd's output whole first: awk's exit would SIGPIPE it, and pipefail
+	# fail the assignment.)
+	libs=$(ldd "$BB_BUILD_DIR/libbufbroker.so.0")
+	PY_ASAN=$(awk '/libasan\.so/ { print $3; exit }' <<<"$libs")
 	PYTHONPATH=$BB_SOURCE_DIR/python BUFBROKER_LIBRARY=$BB_BUILD_DIR/libbufbroker.so.0 \
 		PYTHONDONTWRITEBYTECODE=1 LD_PRELOAD=$PY_ASAN ASAN_OPTIONS=detect_leaks=0 \
 		timeout 20 /usr/bin/python3 - "$SOCK" <<'PYEOF' || fail "the Python CUDA client failed"

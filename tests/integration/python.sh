@@ -30,7 +30,10 @@ unset BUFBROKER_SOCKET
 
 # A sanitizer build's library needs its runtime loaded first; Python's own
 # allocations are not ours to leak-check.
-asan=$(ldd "$BUFBROKER_LIBRARY" | awk '/libasan\.so/ { print $3; exit }')
+# (ldd's output whole first: awk's exit would SIGPIPE it, and pipefail fail
+# the assignment.)
+libs=$(ldd "$BUFBROKER_LIBRARY")
+asan=$(awk '/libasan\.so/ { print $3; exit }' <<<"$libs")
 if [[ -n $asan ]]; then
 	export LD_PRELOAD=$asan${LD_PRELOAD:+:$LD_PRELOAD}
 	# Last wins: the interpreter's own allocations are not ours to report.

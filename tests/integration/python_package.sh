@@ -73,11 +73,14 @@ if missing or extra:
     sys.exit(f"missing {sorted(missing)}, extra {sorted(extra)}")
 PYEOF
 "$PY" -m installer --destdir "$DIR/root" "${wheels[0]}"
-typed=$(find "$DIR/root" -path '*/bufbroker/py.typed' | head -n 1)
+typed=$(find "$DIR/root" -path '*/bufbroker/py.typed' -print -quit)
 [[ -n $typed ]] || fail "installer put no bufbroker/py.typed under $DIR/root"
 
 # A sanitizer build's library needs its runtime first in the interpreter.
-asan=$(ldd "$LIB" | awk '/libasan\.so/ { print $3; exit }')
+# (ldd's output whole first: awk's exit would SIGPIPE it, and pipefail fail
+# the assignment.)
+libs=$(ldd "$LIB")
+asan=$(awk '/libasan\.so/ { print $3; exit }' <<<"$libs")
 
 STEP="start the daemon"
 start_bufbrokerd --socket "$SOCK" --token-ttl 120000

@@ -5,7 +5,9 @@
  * any buffer of that allocation just before it; AllocationFd needs a held
  * buffer of the allocation; a connection whose Hello said protocol 1.1 is
  * refused Open and Adopt of a VMM buffer and loses nothing; the handle kind
- * is kept per buffer, counted per kind and checked.
+ * is kept per buffer, counted per kind and checked; a VMM buffer's journal
+ * record says where it lies, and a restored one says it again from its
+ * record, without asking the backend.
  *
  * A slab backend stands in for the CUDA one: each buffer lies in the
  * allocation the test names before allocating it, VMM when asked for VMM,
@@ -35,11 +37,18 @@ typedef struct slab_mem {
 
 static uint64_t next_allocation = 1; /* the allocation the next alloc lies in */
 static int live;                     /* mems not yet freed */
+static int exported;                 /* sb_export calls */
+static int refused_kind;             /* a handle kind sb_alloc cannot give; 0: none */
 
 static int sb_alloc(backend *be, uint64_t size, int device, uint32_t uid, int share, int *handle,
 		    backend_mem *out, char *err, size_t errlen)
 {
-	(void)be, (void)device, (void)uid, (void)share, (void)err, (void)errlen;
+	(void)be, (void)device, (void)uid, (void)share;
+	if (refused_kind && *handle == refused_kind) {
+		snprintf(err, errlen, "handle kind %d cannot be had", refused_kind);
+		*handle = BACKEND_HANDLE_REFUSED;
+		return BB_ERR_UNSUPPORTED;
+	}
 	slab_mem *m = calloc(1, sizeof(*m));
 	cr_assert_not_null(m);
 	m->allocation = next_allocation;
@@ -65,6 +74,7 @@ static int sb_export(backend *be, const backend_mem *mem, backend_export *out, c
 {
 	(void)be, (void)err, (void)errlen;
 	const slab_mem *m = mem->priv;
+	exported++;
 	out->cuda_handle = m->handle;
 	out->allocation = m->allocation;
 	out->allocation_size = 1 << 20;
@@ -150,6 +160,7 @@ static void setup(void)
 	broker_set_backend(b, BB_CUDA, &slabs, NULL);
 	next_allocation = 1;
 	live = 0;
+	refused_kind = 0;
 }
 
 static void teardown(void)
@@ -186,11 +197,16 @@ static broker_buf *alloc_in(broker_conn *c, uint64_t allocation, int handle)
 	return buf;
 }
 
-static uint64_t id_of(broker_buf *buf)
+static uint64_t id_of_in(broker *bk, broker_buf *buf)
 {
 	broker_info info;
-	broker_buf_info(b, buf, NULL, &info);
+	broker_buf_info(bk, buf, NULL, &info);
 	return info.id;
+}
+
+static uint64_t id_of(broker_buf *buf)
+{
+	return id_of_in(b, buf);
 }
 
 static broker_granted grant(broker_conn *c, broker_buf *buf)
@@ -462,4 +478,104 @@ Test(broker_vmm, a_vmm_buffer_is_journaled_with_its_allocation_and_offset)
 	cr_assert_eq(kept_gone[5], 1, "a freed VMM buffer leaves the store's books");
 	broker_free(jb);
 	journal_free(j);
+}
+
+/* broker_restore's memory: the slab mem a record names. */
+static int restore_slab(void *ctx, backend *be, const journal_buffer *rec, backend_mem *out,
+			char *e, size_t elen)
+{
+	(void)ctx;
+	int handle = (int)rec->cuda_handle;
+	next_allocation = rec->allocation;
+	return be->alloc(be, rec->size, rec->device, rec->owner_uid, (int)rec->share, &handle, out,
+			 e, elen);
+}
+
+/* The state journal j holds, in *s (journal_state_free it). */
+static void read_journal(journal *j, journal_state *s)
+{
+	char why[256];
+	cr_assert_eq(journal_read(journal_fd(j), s, why, sizeof(why)), 0, "%s", why);
+}
+
+Test(broker_vmm, a_restored_vmm_buffer_is_journaled_where_its_record_said)
+{
+	char why[256];
+	journal *j1 = NULL, *j2 = NULL;
+	cr_assert_eq(journal_create(NULL, &j1, why, sizeof(why)), 0, "%s", why);
+	cr_assert_eq(journal_create(NULL, &j2, why, sizeof(why)), 0, "%s", why);
+	broker_config cfg = {.journal = j1};
+	broker_limits_default(&cfg.limits);
+	broker *before = broker_new(&cfg);
+	broker_set_backend(before, BB_CUDA, &slabs, NULL);
+	broker_conn *c = broker_conn_open(before, UID_A, GID, 1, &err);
+	broker_alloc_req req = {
+		.size = 4096, .kind = BB_CUDA, .import_fd = -1, .cuda_handle = BB_CUDA_HANDLE_VMM};
+	broker_buf *x, *y;
+	next_allocation = 5;
+	cr_assert_eq(broker_alloc(before, c, &req, &x, &err), 0, "%s", err.msg);
+	next_allocation = 6;
+	cr_assert_eq(broker_alloc(before, c, &req, &y, &err), 0, "%s", err.msg);
+	cr_assert_eq(broker_set_ready(before, c, id_of_in(before, y), &err), 0, "%s", err.msg);
+	journal_state s1;
+	read_journal(j1, &s1);
+	cr_assert_eq(s1.n_buffers, 2);
+
+	/* The rebuild journals every buffer again, from its record. */
+	cfg.journal = j2;
+	broker *after = broker_new(&cfg);
+	broker_set_backend(after, BB_CUDA, &slabs, NULL);
+	exported = 0;
+	broker_error e;
+	cr_assert_eq(broker_restore(after, journal_fd(j1), restore_slab, NULL, &e), 0, "%s", e.msg);
+	cr_assert_eq(exported, 0, "%d export_mem calls", exported);
+	journal_state s2;
+	read_journal(j2, &s2);
+	cr_assert_eq(s2.n_buffers, 2);
+	for (size_t i = 0; i < 2; i++) {
+		const journal_buffer *r1 = &s1.buffers[i], *r2 = &s2.buffers[i];
+		cr_assert_eq(r2->id, r1->id);
+		cr_assert_eq(r2->cuda_handle, BB_CUDA_HANDLE_VMM);
+		cr_assert_eq(r2->allocation, 5 + i);
+		cr_assert_eq(r2->allocation, r1->allocation);
+		cr_assert_eq(r2->offset, r1->offset);
+		cr_assert_eq(r2->allocation_size, r1->allocation_size);
+		cr_assert_eq(r2->allocation_size, 1 << 20);
+	}
+	journal_state_free(&s1);
+	journal_state_free(&s2);
+	broker_free(after);
+	broker_free(before);
+	journal_free(j2);
+	journal_free(j1);
+}
+
+/* ---- a handle kind that cannot be had ---------------------------------------------- */
+
+Test(broker_vmm, a_refused_handle_kind_is_said_apart_from_other_refusals)
+{
+	broker_conn *a = conn(UID_A);
+	broker_buf *buf;
+	bool refused = false;
+	broker_alloc_req req = {.size = 4096,
+				.kind = BB_CUDA,
+				.import_fd = -1,
+				.cuda_handle = BB_CUDA_HANDLE_LEGACY,
+				.handle_refused = &refused};
+	refused_kind = BB_CUDA_HANDLE_LEGACY;
+	cr_assert_eq(broker_alloc(b, a, &req, &buf, &err), BB_ERR_UNSUPPORTED);
+	cr_assert(refused, "the backend refused the kind: %s", err.msg);
+	cr_assert_str_eq(err.msg, "handle kind 2 cannot be had");
+
+	/* Refused for another reason: the slab backend imports no fd. */
+	req.import_fd = 0;
+	cr_assert_eq(broker_alloc(b, a, &req, &buf, &err), BB_ERR_UNSUPPORTED);
+	cr_assert_not(refused, "%s", err.msg);
+
+	/* A kind the backend gives. */
+	req.import_fd = -1;
+	refused = true;
+	req.cuda_handle = BB_CUDA_HANDLE_VMM;
+	cr_assert_eq(broker_alloc(b, a, &req, &buf, &err), 0, "%s", err.msg);
+	cr_assert_not(refused);
 }

@@ -6,7 +6,10 @@
  * as a legacy slab but never shared with one; freeing it closes the fd and
  * releases the allocation; their number is bounded (each is an fd); DEFAULT
  * is the configured kind, AUTO follows the device, and a kind that cannot
- * be had is refused with why, never replaced by the other.
+ * be had is refused with why, never replaced by the other. A broker over
+ * the backend journals where each VMM buffer lies (its allocation, offset
+ * and the allocation's size) as the backend said once, when the buffer was
+ * made, with every put of it.
  *
  * The backend runs on tests/fakecuda's driver ($BB_FAKECUDA, else the
  * libfakecuda.so built next to this binary), whose VMM allocations are
@@ -26,6 +29,8 @@
 #include <unistd.h>
 
 #include "../../daemon/backend_cuda.c"
+#include "../../daemon/broker.h"
+#include "../../daemon/journal.h"
 #include "../../daemon/log.c"
 #include "cuda_fixture.h"
 
@@ -224,6 +229,7 @@ Test(cuda_vmm, auto_is_legacy_where_vmm_is_forbidden)
 	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_VMM, &got, &m), BB_ERR_UNSUPPORTED);
 	cr_assert(strstr(err, "forbidden by the operator") && strstr(err, "cuda-forbid = vmm"),
 		  "%s", err);
+	cr_assert_eq(got, BACKEND_HANDLE_REFUSED, "the caller learns it was the kind");
 }
 
 Test(cuda_vmm, legacy_forbidden_is_refused_never_replaced)
@@ -233,6 +239,7 @@ Test(cuda_vmm, legacy_forbidden_is_refused_never_replaced)
 	int got;
 	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_LEGACY, &got, &m), BB_ERR_UNSUPPORTED);
 	cr_assert(strstr(err, "cuda-forbid = legacy"), "%s", err);
+	cr_assert_eq(got, BACKEND_HANDLE_REFUSED, "the caller learns it was the kind");
 	m = alloc_kind(4096, BB_CUDA_HANDLE_AUTO, BB_CUDA_HANDLE_VMM);
 	be->free(be, &m);
 }
@@ -245,6 +252,7 @@ Test(cuda_vmm, a_device_that_cannot_export_fds_refuses_vmm_and_auto_is_legacy)
 	backend_mem m;
 	int got;
 	cr_assert_eq(try_alloc(4096, BB_CUDA_HANDLE_VMM, &got, &m), BB_ERR_UNSUPPORTED);
+	cr_assert_eq(got, BACKEND_HANDLE_REFUSED, "the caller learns it was the kind");
 	cr_assert(strstr(err, "device 0 cannot export allocations as file descriptors") &&
 			  strstr(err, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_"
 				      "SUPPORTED"),
@@ -374,4 +382,115 @@ Test(cuda_vmm, a_kept_allocation_is_imported_and_its_buffers_ranges_rebuilt)
 	cr_assert_eq(cub()->devs[0].reserved, 0);
 	cr_assert_eq(cub()->devs[0].used, 0);
 	cr_assert_eq(cub()->vmm_allocations, 0);
+}
+
+/* ---- the broker over VMM slabs: where a buffer lies, journaled ------------------------ */
+
+static int exports; /* export_mem calls through the counting backend */
+
+/* The backend under test's export_mem, counted. */
+static int count_export(backend *b, const backend_mem *mem, backend_export *out, char *e,
+			size_t elen)
+{
+	(void)b;
+	exports++;
+	return be->export_mem(be, mem, out, e, elen);
+}
+
+/* A VMM buffer of size bytes through bk, running jobs while the backend
+ * grows. */
+static broker_buf *broker_vmm_alloc(broker *bk, broker_conn *c, uint64_t size)
+{
+	broker_alloc_req req = {.size = size,
+				.kind = BB_CUDA,
+				.share = BB_SHARE_ANY,
+				.import_fd = -1,
+				.cuda_handle = BB_CUDA_HANDLE_VMM};
+	broker_error e;
+	broker_buf *buf;
+	int rc;
+	while ((rc = broker_alloc(bk, c, &req, &buf, &e)) == BACKEND_GROW)
+		cr_assert(run_one(), "alloc waits for a grow but no job is queued");
+	cr_assert_eq(rc, 0, "alloc: %s", e.msg);
+	return buf;
+}
+
+/* The journal's record of buffer id. */
+static journal_buffer journaled(journal *j, uint64_t id)
+{
+	journal_state s;
+	cr_assert_eq(journal_read(journal_fd(j), &s, err, sizeof(err)), 0, "%s", err);
+	journal_buffer r = {0};
+	for (size_t i = 0; i < s.n_buffers; i++)
+		if (s.buffers[i].id == id)
+			r = s.buffers[i];
+	journal_state_free(&s);
+	cr_assert_eq(r.id, id, "buffer %llu is not journaled", (unsigned long long)id);
+	return r;
+}
+
+Test(cuda_vmm, the_journal_keeps_where_each_vmm_buffer_lies_without_asking_the_backend_again)
+{
+	start();
+	backend counted = *be;
+	counted.export_mem = count_export;
+	journal *j;
+	cr_assert_eq(journal_create(NULL, &j, err, sizeof(err)), 0, "%s", err);
+	broker_config cfg = {.journal = j};
+	broker_limits_default(&cfg.limits);
+	broker *bk = broker_new(&cfg);
+	cr_assert_not_null(bk);
+	broker_set_backend(bk, BB_CUDA, &counted, NULL);
+	broker_error e;
+	broker_conn *p = broker_conn_open(bk, UID, 100, 1, &e);
+	broker_conn *q = broker_conn_open(bk, UID + 1, 100, 2, &e);
+	cr_assert(p && q);
+
+	/* Two buffers carved from one slab, a third in a slab of its own. */
+	exports = 0;
+	broker_buf *bufs[3] = {broker_vmm_alloc(bk, p, 4096), broker_vmm_alloc(bk, p, 8192),
+			       broker_vmm_alloc(bk, p, 12 * MiB)};
+	cr_assert_eq(exports, 3, "the backend is asked once per buffer, as it is made");
+	uint64_t ids[3];
+	backend_export want[3];
+	for (int i = 0; i < 3; i++) {
+		broker_info info;
+		broker_buf_info(bk, bufs[i], NULL, &info);
+		ids[i] = info.id;
+		cr_assert_eq(broker_buf_export(bk, bufs[i], &want[i], &e), 0, "%s", e.msg);
+	}
+	cr_assert_eq(want[0].allocation, want[1].allocation);
+	cr_assert_neq(want[0].offset, want[1].offset);
+	cr_assert_neq(want[2].allocation, want[0].allocation);
+	cr_assert_neq(want[2].allocation_size, want[0].allocation_size);
+
+	/* Holds, states, a grant to another uid, a token moved: of them only
+	 * the grant exports (for its answer). */
+	exports = 0;
+	cr_assert_eq(broker_retain(bk, p, ids[0], 2, NULL, NULL, &e), 0, "%s", e.msg);
+	cr_assert_eq(broker_release(bk, p, ids[0], 2, NULL, NULL, &e), 0, "%s", e.msg);
+	cr_assert_eq(broker_set_ready(bk, p, ids[0], &e), 0, "%s", e.msg);
+	cr_assert_eq(broker_set_error(bk, p, ids[1], "the kernel failed", &e), 0, "%s", e.msg);
+	cr_assert_eq(broker_set_ready(bk, p, ids[2], &e), 0, "%s", e.msg);
+	broker_buf *opened;
+	cr_assert_eq(broker_open_id(bk, q, ids[2], &opened, &e), 0, "%s", e.msg);
+	broker_granted gr;
+	cr_assert_eq(broker_grant(bk, q, opened, &gr, &e), 0, "%s", e.msg);
+	unsigned char tok[BB_TOKEN_SIZE];
+	cr_assert_eq(broker_take(bk, p, ids[0], false, tok, &e), 0, "%s", e.msg);
+	cr_assert_eq(broker_adopt(bk, q, tok, &opened, &e), 0, "%s", e.msg);
+	cr_assert_eq(exports, 1, "%d export_mem calls: only the grant's", exports);
+
+	static const uint32_t state[3] = {BB_READY, BB_FAILED, BB_READY};
+	for (int i = 0; i < 3; i++) {
+		journal_buffer r = journaled(j, ids[i]);
+		cr_assert_eq(r.state, state[i], "buffer %d", i);
+		cr_assert_eq(r.cuda_handle, BB_CUDA_HANDLE_VMM);
+		cr_assert_eq(r.allocation, want[i].allocation, "buffer %d", i);
+		cr_assert_eq(r.offset, want[i].offset, "buffer %d", i);
+		cr_assert_eq(r.allocation_size, want[i].allocation_size, "buffer %d", i);
+	}
+
+	broker_free(bk);
+	journal_free(j);
 }

@@ -983,6 +983,7 @@ Test(journal, the_checker_refuses_inconsistent_states)
 		"state 7",
 		"two records",
 		"lie outside VMM allocation 5", /* the allocation's size is kept */
+		"CUDA handle kind 258",
 	};
 	for (size_t c = 0; c < sizeof(want) / sizeof(want[0]); c++) {
 		st = consistent(b, s, h, t);
@@ -998,6 +999,7 @@ Test(journal, the_checker_refuses_inconsistent_states)
 		case 8: b[1].producer = 4; break;
 		case 9: b[0].state = 7; break;
 		case 10: b[1].id = 1; break;
+		case 12: b[0].cuda_handle = 258; break; /* 2, VMM, in a byte */
 		default:
 			b[0].kind = BB_CUDA;
 			b[0].device = 0;
