@@ -28,7 +28,8 @@ done
 for f in bufbrokerd bufbroker-bench fakesd; do
 	[[ -x $BUILD/$f ]] || { echo "restart-crash.sh: $BUILD/$f is missing: build first" >&2; exit 1; }
 done
-if [[ -z ${BUFBROKER_CUDA_LIBRARY:-} ]] && ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
+# (the list read whole: grep -q on a pipe could SIGPIPE ldconfig under pipefail)
+if [[ -z ${BUFBROKER_CUDA_LIBRARY:-} && $(/sbin/ldconfig -p 2>/dev/null) != *'libcuda.so.1 '* ]]; then
 	export BUFBROKER_CUDA_LIBRARY=$PWD/$BUILD/libfakecuda.so
 fi
 DIR=$(mktemp -d /tmp/bb-restart-crash-XXXXXX)

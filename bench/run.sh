@@ -203,7 +203,7 @@ CUDA_DESC="none"
 if [[ -n ${BUFBROKER_CUDA_LIBRARY:-} ]]; then
 	CUDA_ARG=(--cuda)
 	CUDA_DESC="$BUFBROKER_CUDA_LIBRARY"
-elif /sbin/ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
+elif [[ $(/sbin/ldconfig -p 2>/dev/null) == *'libcuda.so.1 '* ]]; then
 	CUDA_ARG=(--cuda)
 	CUDA_DESC="libcuda.so.1 (the real driver)"
 else
