@@ -67,16 +67,16 @@ typedef struct bundle bundle;
 /* One kept fd: a live buffer's memfd or a VMM allocation's fd, by id; or,
  * at the start, one that was passed to us. */
 typedef struct kept {
-	uint64_t id;       /* buffer or allocation id */
-	int fd;            /* borrowed from the backend once live; passed: ours, -1 once adopted */
-	uint32_t buffers;  /* allocations: live buffers in it */
-	char letter;       /* 'b' host buffer, 'a' VMM allocation */
-	bool named;        /* in the store under its own name ("b<id>", as an
+	uint64_t id;      /* buffer or allocation id */
+	int fd;           /* borrowed from the backend once live; passed: ours, -1 once adopted */
+	uint32_t buffers; /* allocations: live buffers in it */
+	char letter;      /* 'b' host buffer, 'a' VMM allocation */
+	bool named;       /* in the store under its own name ("b<id>", as an
 			    * earlier daemon kept it): removed once bundled */
-	bundle *bundle;    /* live: the bundle whose queue holds it (a
+	bundle *bundle;   /* live: the bundle whose queue holds it (a
 			    * member); passed: where it was found; NULL: none */
 	struct kept *bprev, *bnext; /* live: the bundle's members (utlist DL) */
-	UT_hash_handle hh; /* in one of restart's tables */
+	UT_hash_handle hh;          /* in one of restart's tables */
 } kept;
 
 /* A bundle (docs/RESTART.md, "Bundles"): a datagram socketpair whose
@@ -456,9 +456,12 @@ static void bundles_rebuild(restart *r)
 			continue; /* whole again (an empty one goes) */
 		bundle_seal(r, b);
 		bool all = true;
-		kept *k, *tmp;
-		DL_FOREACH_SAFE2(b->first, k, tmp, bnext) {
-			DL_DELETE2(b->first, k, bprev, bnext);
+		/* Taken off b's list first: one that cannot be moved goes
+		 * back to it, and must not come round in this walk again. */
+		kept *k, *tmp, *moving = b->first;
+		b->first = NULL;
+		DL_FOREACH_SAFE2 (moving, k, tmp, bnext) {
+			DL_DELETE2(moving, k, bprev, bnext);
 			k->bundle = NULL;
 			b->members--;
 			if (bundle_put(r, k, BUNDLE_TENURED) < 0) {
