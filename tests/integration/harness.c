@@ -750,6 +750,92 @@ int bbt_sd_journal_fd(const bbt_daemon *d)
 	return fd;
 }
 
+/* Append name to the NULL-terminated *v of *n names. */
+static void names_add(char ***v, int *n, const char *name)
+{
+	char **p = realloc(*v, (size_t)(*n + 2) * sizeof(*p));
+	cr_assert(p);
+	p[*n] = strdup(name);
+	p[++*n] = NULL;
+	*v = p;
+}
+
+int bbt_bundle_names(int fd, char ***names)
+{
+	int off = 0, n = 0;
+	*names = NULL;
+	if (setsockopt(fd, SOL_SOCKET, SO_PEEK_OFF, &off, sizeof(off)) < 0)
+		return -errno;
+	*names = calloc(1, sizeof(**names));
+	cr_assert(*names);
+	for (;;) {
+		struct {
+			uint8_t magic[2], version, letter;
+			uint32_t zero;
+			uint64_t id;
+		} rec;
+		union {
+			struct cmsghdr h;
+			char b[CMSG_SPACE(sizeof(int) * 4)];
+		} ctl;
+		struct iovec iov = {.iov_base = &rec, .iov_len = sizeof(rec)};
+		struct msghdr mh = {.msg_iov = &iov,
+				    .msg_iovlen = 1,
+				    .msg_control = ctl.b,
+				    .msg_controllen = sizeof(ctl.b)};
+		ssize_t got = recvmsg(fd, &mh, MSG_PEEK | MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+		if (got < 0)
+			break;
+		int fds = 0;
+		for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+			for (size_t i = 0; c->cmsg_type == SCM_RIGHTS &&
+					   i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+			     i++, fds++)
+				close(((int *)CMSG_DATA(c))[i]);
+		char name[32] = "?";
+		if (got == (ssize_t)sizeof(rec) && fds == 1 && !memcmp(rec.magic, "bk", 2) &&
+		    rec.version == 1 && !rec.zero && (rec.letter == 'b' || rec.letter == 'a'))
+			snprintf(name, sizeof(name), "%c%llu", rec.letter,
+				 (unsigned long long)rec.id);
+		names_add(names, &n, name);
+	}
+	off = -1;
+	setsockopt(fd, SOL_SOCKET, SO_PEEK_OFF, &off, sizeof(off));
+	return n;
+}
+
+int bbt_sd_kept_names(const bbt_daemon *d, char ***names)
+{
+	char **stored, **held;
+	int n = bbt_sd_store_names(d, &stored), count = 0, rc = 0;
+	*names = NULL;
+	if (n < 0)
+		return n;
+	*names = calloc(1, sizeof(**names));
+	cr_assert(*names);
+	for (int i = 0; i < n && rc >= 0; i++) {
+		if (stored[i][0] != 'k' || stored[i][1] < '1' || stored[i][1] > '9') {
+			names_add(names, &count, stored[i]);
+			continue;
+		}
+		int fd = bbt_sd_store_fd(d, stored[i]);
+		rc = fd < 0 ? fd : bbt_bundle_names(fd, &held);
+		for (int j = 0; j < rc; j++)
+			names_add(names, &count, held[j]);
+		if (rc >= 0)
+			bbt_sd_names_free(held);
+		if (fd >= 0)
+			close(fd);
+	}
+	bbt_sd_names_free(stored);
+	if (rc < 0) {
+		bbt_sd_names_free(*names);
+		*names = NULL;
+		return rc;
+	}
+	return count;
+}
+
 int bbt_sd_set_store_max(const bbt_daemon *d, unsigned max)
 {
 	char cmd[64], out[64];
