@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../bundle_peek.h"
 #include "client_internal.h"
 #include "msgio.h"
 #include "wire.h"
@@ -760,47 +761,28 @@ static void names_add(char ***v, int *n, const char *name)
 	*v = p;
 }
 
+typedef struct names_vec {
+	char **v;
+	int n;
+} names_vec;
+
+static void names_vec_add(void *ctx, const char *name, ino_t ino)
+{
+	names_vec *nv = ctx;
+	(void)ino;
+	names_add(&nv->v, &nv->n, name);
+}
+
 int bbt_bundle_names(int fd, char ***names)
 {
-	int off = 0, n = 0;
-	*names = NULL;
-	if (setsockopt(fd, SOL_SOCKET, SO_PEEK_OFF, &off, sizeof(off)) < 0)
-		return -errno;
-	*names = calloc(1, sizeof(**names));
-	cr_assert(*names);
-	for (;;) {
-		struct {
-			uint8_t magic[2], version, letter;
-			uint32_t zero;
-			uint64_t id;
-		} rec;
-		union {
-			struct cmsghdr h;
-			char b[CMSG_SPACE(sizeof(int) * 4)];
-		} ctl;
-		struct iovec iov = {.iov_base = &rec, .iov_len = sizeof(rec)};
-		struct msghdr mh = {.msg_iov = &iov,
-				    .msg_iovlen = 1,
-				    .msg_control = ctl.b,
-				    .msg_controllen = sizeof(ctl.b)};
-		ssize_t got = recvmsg(fd, &mh, MSG_PEEK | MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-		if (got < 0)
-			break;
-		int fds = 0;
-		for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
-			for (size_t i = 0; c->cmsg_type == SCM_RIGHTS &&
-					   i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-			     i++, fds++)
-				close(((int *)CMSG_DATA(c))[i]);
-		char name[32] = "?";
-		if (got == (ssize_t)sizeof(rec) && fds == 1 && !memcmp(rec.magic, "bk", 2) &&
-		    rec.version == 1 && !rec.zero && (rec.letter == 'b' || rec.letter == 'a'))
-			snprintf(name, sizeof(name), "%c%llu", rec.letter,
-				 (unsigned long long)rec.id);
-		names_add(names, &n, name);
+	names_vec nv = {calloc(1, sizeof(char *)), 0};
+	cr_assert(nv.v);
+	int n = bundle_peek(fd, names_vec_add, &nv);
+	*names = nv.v;
+	if (n < 0) {
+		bbt_sd_names_free(nv.v);
+		*names = NULL;
 	}
-	off = -1;
-	setsockopt(fd, SOL_SOCKET, SO_PEEK_OFF, &off, sizeof(off));
 	return n;
 }
 

@@ -27,6 +27,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "../bundle_peek.h"
 #include "backend.h"
 #include "broker.h"
 #include "journal.h"
@@ -141,6 +142,15 @@ static void make_state(kept_state *k)
 	journal_free(j);
 }
 
+static void kept_state_close(kept_state *k)
+{
+	close(k->journal);
+	for (int i = 0; i < 4; i++)
+		close(k->fds[i]);
+	close(k->wrong);
+	close(k->unknown);
+}
+
 /* The fd store's side of a notify socket, as systemd keeps it: FDSTORE=1
  * keeps the fd under FDNAME, FDSTOREREMOVE=1 removes and closes every fd of
  * that name; every message is logged in text as "[line line ...]". */
@@ -238,50 +248,30 @@ static long text_at(const store *s, const char *what)
 	return p ? p - s->text : -1;
 }
 
+typedef struct peeked {
+	char (*names)[32];
+	ino_t *inos;
+	int n, cap;
+} peeked;
+
+static void peeked_add(void *ctx, const char *name, ino_t ino)
+{
+	peeked *p = ctx;
+	if (p->n < p->cap) {
+		snprintf(p->names[p->n], 32, "%s", name);
+		p->inos[p->n] = ino;
+	}
+	p->n++;
+}
+
 /* A bundle's messages (fd: its receiving end), peeked as the daemon does
- * (SO_PEEK_OFF 0, then -1), never taken: "b<id>" or "a<id>" for a record
- * with one fd, "?" otherwise, into names, the fds' inodes into inos. */
+ * (bundle_peek): their names into names, their fds' inodes into inos (cap
+ * entries); the count. */
 static int peek(int fd, char (*names)[32], ino_t *inos, int cap)
 {
-	int off = 0, n = 0;
-	cr_assert_eq(setsockopt(fd, SOL_SOCKET, SO_PEEK_OFF, &off, sizeof(off)), 0);
-	for (; n < cap; n++) {
-		struct {
-			uint8_t magic[2], version, letter;
-			uint32_t zero;
-			uint64_t id;
-		} rec;
-		union {
-			struct cmsghdr h;
-			char c[CMSG_SPACE(sizeof(int) * 4)];
-		} cm;
-		struct iovec iov = {.iov_base = &rec, .iov_len = sizeof(rec)};
-		struct msghdr mh = {.msg_iov = &iov,
-				    .msg_iovlen = 1,
-				    .msg_control = cm.c,
-				    .msg_controllen = sizeof(cm.c)};
-		ssize_t got = recvmsg(fd, &mh, MSG_PEEK | MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-		if (got < 0)
-			break;
-		struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-		int mfd = h && h->cmsg_type == SCM_RIGHTS && h->cmsg_len == CMSG_LEN(sizeof(int))
-				  ? *(int *)CMSG_DATA(h)
-				  : -1;
-		struct stat st = {0};
-		if (mfd >= 0)
-			fstat(mfd, &st);
-		inos[n] = st.st_ino;
-		if (got == sizeof(rec) && mfd >= 0 && !memcmp(rec.magic, "bk", 2) &&
-		    rec.version == 1)
-			snprintf(names[n], 32, "%c%llu", rec.letter, (unsigned long long)rec.id);
-		else
-			snprintf(names[n], 32, "?");
-		if (mfd >= 0)
-			close(mfd);
-	}
-	off = -1;
-	setsockopt(fd, SOL_SOCKET, SO_PEEK_OFF, &off, sizeof(off));
-	return n;
+	peeked p = {names, inos, 0, cap};
+	cr_assert_geq(bundle_peek(fd, peeked_add, &p), 0);
+	return p.n;
 }
 
 static ino_t ino_of(int fd)
@@ -289,6 +279,41 @@ static ino_t ino_of(int fd)
 	struct stat st;
 	cr_assert_eq(fstat(fd, &st), 0);
 	return st.st_ino;
+}
+
+/* In the child: the 5 fds of src passed as systemd passes them (at 3..,
+ * LISTEN_FDNAMES names), the store at notify; the restart made from them
+ * with the journal on (generation 2), and a broker on the real host
+ * backend started from it. */
+static broker *child_start(const int src[5], const char *names, const char *notify, restart **out)
+{
+	int moved[5];
+	for (int i = 0; i < 5; i++)
+		moved[i] = fcntl(src[i], F_DUPFD, 100);
+	for (int i = 0; i < 5; i++)
+		CHECK(dup2(moved[i], 3 + i) == 3 + i);
+	char num[32];
+	setenv("LISTEN_FDNAMES", names, 1);
+	setenv("LISTEN_FDS", "5", 1);
+	snprintf(num, sizeof(num), "%d", (int)getpid());
+	setenv("LISTEN_PID", num, 1);
+	setenv("NOTIFY_SOCKET", notify, 1);
+	restart *r = NULL;
+	char why[256];
+	restart_config rc = {.journal = true};
+	CHECK(restart_new(&r, &rc, why, sizeof(why)) == 0);
+	CHECK(restart_generation(r) == 2);
+	CHECK(!getenv("LISTEN_FDS"));
+	backend *host = backend_host_new();
+	broker_config cfg = {.journal = restart_journal(r), .keep = restart_keep, .keep_ctx = r};
+	broker_limits_default(&cfg.limits);
+	broker *b = broker_new(&cfg);
+	broker_set_backend(b, BB_HOST, host, NULL);
+	int listen_fd = 0;
+	CHECK(restart_start(r, b, host, NULL, &listen_fd, why, sizeof(why)) == 0);
+	CHECK(listen_fd == -1);
+	*out = r;
+	return b;
 }
 
 Test(restart, a_start_adopts_what_was_kept_fails_what_was_not_and_drops_orphans)
@@ -304,35 +329,11 @@ Test(restart, a_start_adopts_what_was_kept_fails_what_was_not_and_drops_orphans)
 		 * b<3> (the wrong memfd), b99 (no such buffer), "xyz"; b<2>
 		 * missing. */
 		int src[5] = {k.journal, k.fds[0], k.wrong, k.fds[3], k.unknown};
-		int moved[5];
-		for (int i = 0; i < 5; i++)
-			moved[i] = fcntl(src[i], F_DUPFD, 100);
-		for (int i = 0; i < 5; i++)
-			CHECK(dup2(moved[i], 3 + i) == 3 + i);
-		char names[256], num[32];
+		char names[256];
 		snprintf(names, sizeof(names), "journal-1:b%llu:b%llu:b99:xyz",
 			 (unsigned long long)k.ids[0], (unsigned long long)k.ids[2]);
-		setenv("LISTEN_FDNAMES", names, 1);
-		setenv("LISTEN_FDS", "5", 1);
-		snprintf(num, sizeof(num), "%d", (int)getpid());
-		setenv("LISTEN_PID", num, 1);
-		setenv("NOTIFY_SOCKET", s.path, 1);
-
-		restart *r = NULL;
-		char why[256];
-		restart_config rc = {.journal = true};
-		CHECK(restart_new(&r, &rc, why, sizeof(why)) == 0);
-		CHECK(restart_generation(r) == 2);
-		CHECK(!getenv("LISTEN_FDS"));
-		backend *host = backend_host_new();
-		broker_config cfg = {
-			.journal = restart_journal(r), .keep = restart_keep, .keep_ctx = r};
-		broker_limits_default(&cfg.limits);
-		broker *b = broker_new(&cfg);
-		broker_set_backend(b, BB_HOST, host, NULL);
-		int listen_fd = 0;
-		CHECK(restart_start(r, b, host, NULL, &listen_fd, why, sizeof(why)) == 0);
-		CHECK(listen_fd == -1);
+		restart *r;
+		broker *b = child_start(src, names, s.path, &r);
 		const restart_stats *st = restart_get_stats(r);
 		CHECK(st->restored_buffers == 3);
 		CHECK(st->failed_missing == 2);
@@ -396,11 +397,7 @@ Test(restart, a_start_adopts_what_was_kept_fails_what_was_not_and_drops_orphans)
 	cr_assert_eq(inos[0], ino_of(k.fds[0]));
 	cr_assert_geq(store_fd(&s, "journal-2"), 0);
 	store_close(&s);
-	close(k.journal);
-	for (int i = 0; i < 4; i++)
-		close(k.fds[i]);
-	close(k.wrong);
-	close(k.unknown);
+	kept_state_close(&k);
 }
 
 Test(restart, without_the_journal_kept_fds_are_dropped_and_nothing_is_rebuilt)
@@ -675,29 +672,8 @@ Test(restart, a_start_adopts_the_passed_bundles_and_rebuilds_those_with_strays)
 	cr_assert_geq(pid, 0);
 	if (pid == 0) {
 		int src[5] = {k.journal, bundles[0], bundles[1], bundles[2], bundles[3]};
-		int moved[5];
-		for (int i = 0; i < 5; i++)
-			moved[i] = fcntl(src[i], F_DUPFD, 100);
-		for (int i = 0; i < 5; i++)
-			CHECK(dup2(moved[i], 3 + i) == 3 + i);
-		char num[32];
-		setenv("LISTEN_FDNAMES", "journal-1:k1:k5:k7:k8", 1);
-		setenv("LISTEN_FDS", "5", 1);
-		snprintf(num, sizeof(num), "%d", (int)getpid());
-		setenv("LISTEN_PID", num, 1);
-		setenv("NOTIFY_SOCKET", s.path, 1);
-		restart *r = NULL;
-		char why[256];
-		restart_config rc = {.journal = true};
-		CHECK(restart_new(&r, &rc, why, sizeof(why)) == 0);
-		backend *host = backend_host_new();
-		broker_config cfg = {
-			.journal = restart_journal(r), .keep = restart_keep, .keep_ctx = r};
-		broker_limits_default(&cfg.limits);
-		broker *b = broker_new(&cfg);
-		broker_set_backend(b, BB_HOST, host, NULL);
-		int listen_fd = 0;
-		CHECK(restart_start(r, b, host, NULL, &listen_fd, why, sizeof(why)) == 0);
+		restart *r;
+		broker *b = child_start(src, "journal-1:k1:k5:k7:k8", s.path, &r);
 		const restart_stats *st = restart_get_stats(r);
 		CHECK(st->restored_buffers == 3);
 		CHECK(st->failed_missing == 0);
@@ -738,9 +714,5 @@ Test(restart, a_start_adopts_the_passed_bundles_and_rebuilds_those_with_strays)
 	for (int i = 0; i < 4; i++)
 		close(bundles[i]);
 	store_close(&s);
-	close(k.journal);
-	for (int i = 0; i < 4; i++)
-		close(k.fds[i]);
-	close(k.wrong);
-	close(k.unknown);
+	kept_state_close(&k);
 }
