@@ -773,6 +773,39 @@ static int kept_of(fsd *f, bb_buf **bufs, bool *kept, int n)
 	return k;
 }
 
+#define ONE_BUNDLE 66 /* host buffers: one bundle's 64, and two */
+
+/* The store takes one bundle (the caller's environment says why): of
+ * ONE_BUNDLE buffers, 64 are kept and two served unprotected (counted,
+ * and logged as event); after a crash exactly those two are FAILED, the
+ * rest hold their bytes. The buffers (c1's) in bufs; the client after
+ * the crash. */
+static bb_client *one_bundle_kept(fsd *f, bb_client *c1, const char *event, bb_buf ***bufs)
+{
+	*bufs = alloc_filled(f, c1, ONE_BUNDLE);
+	bool kept[ONE_BUNDLE];
+	restart_status st = status_of(c1);
+	int stored_n = kept_of(f, *bufs, kept, ONE_BUNDLE);
+	cr_assert_eq(stored_n, 64, "one bundle's worth: %d", stored_n);
+	cr_assert_eq(store_bundles(f), 1);
+	cr_assert_eq(st.unprotected_buffers, (uint64_t)(ONE_BUNDLE - stored_n),
+		     "%llu buffers unprotected, %d of %d stored",
+		     (unsigned long long)st.unprotected_buffers, stored_n, ONE_BUNDLE);
+	cr_assert(bbt_log_wait_line(&f->d, 0, bbt_ms(2000), (const char *const[]){event, NULL}));
+	fsd_crash(f, NULL);
+	bb_client *c2 = bbt_connect(&f->d);
+	cr_assert_eq(failed_are_the_unkept(c2, *bufs, kept, ONE_BUNDLE), ONE_BUNDLE - stored_n);
+	return c2;
+}
+
+static void unref_all(bb_buf **bufs, int n)
+{
+	for (int i = 0; i < n; i++)
+		if (bufs[i])
+			bb_unref(bufs[i]);
+	free(bufs);
+}
+
 /* FileDescriptorStoreMax ($FDSTORE) 3: one bundle and the two journals of
  * a start's handover. A bundle the store could not take is never sent:
  * the buffers past the first bundle are served unprotected, counted and
@@ -783,29 +816,13 @@ Test(restart, a_buffer_the_store_did_not_take_is_served_then_failed_at_a_restart
 	fsd *f = fsd_start((const char *const[]){"--restart-grace", "600000", NULL});
 	unsetenv("FDSTORE");
 	bb_client *c1 = bbt_connect(&f->d);
-	enum { N = 66 };
-	bb_buf **bufs = alloc_filled(f, c1, N);
-	bool kept[N];
-	restart_status st = status_of(c1);
-	int stored_n = kept_of(f, bufs, kept, N);
-	cr_assert_eq(stored_n, 64, "one bundle's worth: %d", stored_n);
-	cr_assert_eq(st.unprotected_buffers, (uint64_t)(N - stored_n),
-		     "%llu buffers unprotected, %d of %d stored",
-		     (unsigned long long)st.unprotected_buffers, stored_n, N);
-	cr_assert(bbt_log_wait_line(&f->d, 0, bbt_ms(2000),
-				    (const char *const[]){"event=fdstore_bundle_failed", NULL}));
-
-	fsd_crash(f, NULL);
-	bb_client *c2 = bbt_connect(&f->d);
-	int failed = failed_are_the_unkept(c2, bufs, kept, N);
-	cr_assert_eq(failed, N - stored_n);
+	bb_buf **bufs;
+	bb_client *c2 = one_bundle_kept(f, c1, "event=fdstore_bundle_failed", &bufs);
 	fsd_drain(f);
 	cr_assert_eq(f->dropped, 0, "the store dropped %d fds past its maximum", f->dropped);
 	cr_assert_leq(f->n, 3);
 	bb_disconnect(c2);
-	for (int i = 0; i < N; i++)
-		bb_unref(bufs[i]);
-	free(bufs);
+	unref_all(bufs, ONE_BUNDLE);
 	bb_disconnect(c1);
 }
 
@@ -815,32 +832,30 @@ Test(restart, a_buffer_the_store_did_not_take_is_served_then_failed_at_a_restart
  * $BUFBROKERD_TEST_FDNAMES_MAX 3: "k1:", one bundle of 64 fds). */
 Test(restart, the_store_holds_no_more_names_than_listen_fdnames_can_pass)
 {
-	setenv("BUFBROKERD_TEST_FDNAMES_MAX", "3", 1);
+	setenv("BUFBROKERD_TEST_FDNAMES_MAX", "3", 1); /* the relaunch has it too */
 	fsd *f = fsd_start((const char *const[]){"--restart-grace", "600000", NULL});
 	bb_client *c1 = bbt_connect(&f->d);
-	enum { N = 66 };
-	bb_buf **bufs = alloc_filled(f, c1, N);
-	bool kept[N];
-	restart_status st = status_of(c1);
-	int fit = kept_of(f, bufs, kept, N);
-	cr_assert_eq(fit, 64, "%d of %d fit", fit, N);
-	cr_assert_eq(store_bundles(f), 1);
-	cr_assert_eq(st.unprotected_buffers, (uint64_t)(N - fit));
-	cr_assert(bbt_log_wait_line(&f->d, 0, bbt_ms(2000),
-				    (const char *const[]){"event=fdstore_names_full", NULL}));
-
-	fsd_crash(f, NULL); /* the relaunch has the bound too (the test's env) */
+	bb_buf **bufs;
+	bb_client *c2 = one_bundle_kept(f, c1, "event=fdstore_names_full", &bufs);
 	unsetenv("BUFBROKERD_TEST_FDNAMES_MAX");
-	bb_client *c2 = bbt_connect(&f->d);
-	cr_assert_eq(failed_are_the_unkept(c2, bufs, kept, N), N - fit);
 	/* The restored bundle's name is counted again: no room for another. */
 	bb_buf *more = alloc_host(c2, 4096, NULL);
 	cr_assert_eq(status_of(c2).unprotected_buffers, 1);
+	/* A kept buffer freed: its bundle cannot be rebuilt (no name left
+	 * for another), so it stays as it is, and the daemon serves on. */
+	uint64_t first = bb_id(bufs[0]);
+	bb_info info;
+	stat_ok(c1, first, &info); /* c1 resumes its session */
+	bb_unref(bufs[0]);
+	bufs[0] = NULL;
+	cr_assert_eq(bbt_stat_until_gone(c2, first, 3000), BB_ERR_NOT_FOUND);
+	cr_assert_eq(bbt_check_problems(c2), 0);
+	fsd_drain(f);
+	cr_assert_eq(store_bundles(f), 1);
+	cr_assert_eq(store_count(f, "b"), 64, "the bundle holds what it held");
 	bb_unref(more);
 	bb_disconnect(c2);
-	for (int i = 0; i < N; i++)
-		bb_unref(bufs[i]);
-	free(bufs);
+	unref_all(bufs, ONE_BUNDLE);
 	bb_disconnect(c1);
 }
 
