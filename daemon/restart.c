@@ -460,7 +460,8 @@ static void bundles_rebuild(restart *r)
 		 * back to it, and must not come round in this walk again. */
 		kept *k, *tmp, *moving = b->first;
 		b->first = NULL;
-		DL_FOREACH_SAFE2 (moving, k, tmp, bnext) {
+		DL_FOREACH_SAFE2(moving, k, tmp, bnext)
+		{
 			DL_DELETE2(moving, k, bprev, bnext);
 			k->bundle = NULL;
 			b->members--;
