@@ -456,10 +456,13 @@ static void bundles_rebuild(restart *r)
 			continue; /* whole again (an empty one goes) */
 		bundle_seal(r, b);
 		bool all = true;
-		kept *k, *tmp;
-		DL_FOREACH_SAFE2(b->first, k, tmp, bnext)
+		/* Taken off b's list first: one that cannot be moved goes
+		 * back to it, and must not come round in this walk again. */
+		kept *k, *tmp, *moving = b->first;
+		b->first = NULL;
+		DL_FOREACH_SAFE2(moving, k, tmp, bnext)
 		{
-			DL_DELETE2(b->first, k, bprev, bnext);
+			DL_DELETE2(moving, k, bprev, bnext);
 			k->bundle = NULL;
 			b->members--;
 			if (bundle_put(r, k, BUNDLE_TENURED) < 0) {

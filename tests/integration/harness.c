@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../bundle_peek.h"
 #include "client_internal.h"
 #include "msgio.h"
 #include "wire.h"
@@ -748,6 +749,73 @@ int bbt_sd_journal_fd(const bbt_daemon *d)
 	int fd = newest ? bbt_sd_store_fd(d, newest) : -ENOENT;
 	bbt_sd_names_free(names);
 	return fd;
+}
+
+/* Append name to the NULL-terminated *v of *n names. */
+static void names_add(char ***v, int *n, const char *name)
+{
+	char **p = realloc(*v, (size_t)(*n + 2) * sizeof(*p));
+	cr_assert(p);
+	p[*n] = strdup(name);
+	p[++*n] = NULL;
+	*v = p;
+}
+
+typedef struct names_vec {
+	char **v;
+	int n;
+} names_vec;
+
+static void names_vec_add(void *ctx, const char *name, ino_t ino)
+{
+	names_vec *nv = ctx;
+	(void)ino;
+	names_add(&nv->v, &nv->n, name);
+}
+
+int bbt_bundle_names(int fd, char ***names)
+{
+	names_vec nv = {calloc(1, sizeof(char *)), 0};
+	cr_assert(nv.v);
+	int n = bundle_peek(fd, names_vec_add, &nv);
+	*names = nv.v;
+	if (n < 0) {
+		bbt_sd_names_free(nv.v);
+		*names = NULL;
+	}
+	return n;
+}
+
+int bbt_sd_kept_names(const bbt_daemon *d, char ***names)
+{
+	char **stored, **held;
+	int n = bbt_sd_store_names(d, &stored), count = 0, rc = 0;
+	*names = NULL;
+	if (n < 0)
+		return n;
+	*names = calloc(1, sizeof(**names));
+	cr_assert(*names);
+	for (int i = 0; i < n && rc >= 0; i++) {
+		if (stored[i][0] != 'k' || stored[i][1] < '1' || stored[i][1] > '9') {
+			names_add(names, &count, stored[i]);
+			continue;
+		}
+		int fd = bbt_sd_store_fd(d, stored[i]);
+		rc = fd < 0 ? fd : bbt_bundle_names(fd, &held);
+		for (int j = 0; j < rc; j++)
+			names_add(names, &count, held[j]);
+		if (rc >= 0)
+			bbt_sd_names_free(held);
+		if (fd >= 0)
+			close(fd);
+	}
+	bbt_sd_names_free(stored);
+	if (rc < 0) {
+		bbt_sd_names_free(*names);
+		*names = NULL;
+		return rc;
+	}
+	return count;
 }
 
 int bbt_sd_set_store_max(const bbt_daemon *d, unsigned max)

@@ -146,6 +146,19 @@ int bbt_sd_store_fd(const bbt_daemon *d, const char *name);
 /* A dup of the newest stored journal ("journal-G", the highest G): the
  * fd, -ENOENT when the store has none, or -errno. */
 int bbt_sd_journal_fd(const bbt_daemon *d);
+/* What a stored bundle holds (fd: its receiving end, e.g. from
+ * bbt_sd_store_fd), peeked as a starting daemon peeks it: SO_PEEK_OFF 0,
+ * every message peeked (the fds that come with them closed), SO_PEEK_OFF
+ * -1; nothing is taken. One name a message: "b<id>" or "a<id>" for a
+ * well-formed record with one fd (docs/RESTART.md, "Bundles"), "?" for any
+ * other. The count, *names NULL-terminated for bbt_sd_names_free; or
+ * -errno. The peek offset is the socket's: not while a daemon starts. */
+int bbt_bundle_names(int fd, char ***names);
+/* The store as kept: the stored names (journal-G, and b<id>/a<id> stored
+ * by their own names), each bundle k<n> replaced by what it holds
+ * (bbt_bundle_names). A name in two bundles (a rebuild under way) is
+ * there twice. The count, *names for bbt_sd_names_free; or -errno. */
+int bbt_sd_kept_names(const bbt_daemon *d, char ***names);
 /* Set FileDescriptorStoreMax (takes effect for the next FDSTORE=1 and the
  * next start's $FDSTORE): 0 or -errno. */
 int bbt_sd_set_store_max(const bbt_daemon *d, unsigned max);
