@@ -386,43 +386,6 @@ static bundle *bundle_open(restart *r, int which)
 	return b;
 }
 
-/* Send k's fd to the open bundle `which` (one made when there is none or
- * it is full) and make k its member. 0, or -1: k is in no bundle. */
-static int bundle_put(restart *r, kept *k, int which)
-{
-	for (int tries = 0; tries < 2; tries++) {
-		bundle *b = r->open[which];
-		if (b && b->entries >= BUNDLE_MAX) {
-			bundle_seal(r, b);
-			b = NULL;
-		}
-		if (!b && !(b = bundle_open(r, which)))
-			return -1;
-		bundle_rec rec = {.magic = {'b', 'k'},
-				  .version = BUNDLE_REC_VERSION,
-				  .letter = (uint8_t)k->letter,
-				  .id = k->id};
-		ssize_t n = msgio_send(b->tx, &rec, sizeof(rec), k->fd);
-		if (n == (ssize_t)sizeof(rec)) {
-			k->bundle = b;
-			DL_APPEND2(b->first, k, bprev, bnext);
-			b->entries++;
-			b->members++;
-			return 0;
-		}
-		/* Its queue is full (its send buffer), or the send failed: no
-		 * more into this one. */
-		bundle_seal(r, b);
-		if (!b->entries)
-			bundle_drop(r, b);
-		if (n != -EAGAIN && n != -ENOBUFS) {
-			bundle_warn(r, "sending an fd to a bundle", n < 0 ? (int)-n : EIO);
-			return -1;
-		}
-	}
-	return -1;
-}
-
 static void bundle_dirty(restart *r, bundle *b)
 {
 	if (b->dirty)
@@ -430,6 +393,100 @@ static void bundle_dirty(restart *r, bundle *b)
 	b->dirty = true;
 	b->dnext = r->dirty;
 	r->dirty = b;
+}
+
+/* One message of n records with their fds, in order (n <= BUNDLE_MAX).
+ * The bytes sent, or -errno. */
+static ssize_t bundle_send(int tx, kept *const *ks, size_t n)
+{
+	bundle_rec recs[BUNDLE_MAX];
+	union {
+		char buf[CMSG_SPACE(BUNDLE_MAX * sizeof(int))];
+		struct cmsghdr align;
+	} ctl;
+	memset(&ctl, 0, sizeof(ctl));
+	struct iovec iov = {.iov_base = recs, .iov_len = n * sizeof(recs[0])};
+	struct msghdr m = {.msg_iov = &iov,
+			   .msg_iovlen = 1,
+			   .msg_control = ctl.buf,
+			   .msg_controllen = CMSG_SPACE(n * sizeof(int))};
+	struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN(n * sizeof(int));
+	for (size_t i = 0; i < n; i++) {
+		recs[i] = (bundle_rec){.magic = {'b', 'k'},
+				       .version = BUNDLE_REC_VERSION,
+				       .letter = (uint8_t)ks[i]->letter,
+				       .id = ks[i]->id};
+		memcpy(CMSG_DATA(c) + i * sizeof(int), &ks[i]->fd, sizeof(int));
+	}
+	for (;;) {
+		ssize_t got = sendmsg(tx, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (got >= 0)
+			return got;
+		if (errno != EINTR)
+			return -errno;
+	}
+}
+
+/* Send the fds of ks[0..n) to the open bundle `which` (one made when there
+ * is none or it is full), as few messages as its room allows, and make
+ * them its members. How many were placed (a prefix of ks); the rest are in
+ * no bundle. A fresh bundle that fills up is sealed and marked to be
+ * repacked at the end of the turn: its members, one message each so far,
+ * then move to the tenured bundle in one message (a socket buffer per
+ * message is what a bundle costs the kernel). */
+static size_t bundle_put_many(restart *r, kept *const *ks, size_t n, int which)
+{
+	size_t done = 0;
+	for (int tries = 0; done < n && tries < 2;) {
+		bundle *b = r->open[which];
+		if (b && b->entries >= BUNDLE_MAX) {
+			bundle_seal(r, b);
+			b = NULL;
+		}
+		if (!b && !(b = bundle_open(r, which)))
+			break;
+		size_t room = BUNDLE_MAX - b->entries;
+		size_t c = n - done < room ? n - done : room;
+		ssize_t sent = bundle_send(b->tx, ks + done, c);
+		if (sent == (ssize_t)(c * sizeof(bundle_rec))) {
+			for (size_t i = done; i < done + c; i++) {
+				ks[i]->bundle = b;
+				DL_APPEND2(b->first, ks[i], bprev, bnext);
+			}
+			b->entries += (uint32_t)c;
+			b->members += (uint32_t)c;
+			done += c;
+			tries = 0;
+			if (b->entries >= BUNDLE_MAX) {
+				bundle_seal(r, b);
+				if (which == BUNDLE_FRESH) {
+					b->rebuild = true;
+					bundle_dirty(r, b);
+				}
+			}
+			continue;
+		}
+		/* Its queue is full (its send buffer), or the send failed: no
+		 * more into this one. */
+		bundle_seal(r, b);
+		if (!b->entries)
+			bundle_drop(r, b);
+		if (sent != -EAGAIN && sent != -ENOBUFS) {
+			bundle_warn(r, "sending fds to a bundle", sent < 0 ? (int)-sent : EIO);
+			break;
+		}
+		tries++;
+	}
+	return done;
+}
+
+/* k's fd to the open bundle `which`. 0, or -1: k is in no bundle. */
+static int bundle_put(restart *r, kept *k, int which)
+{
+	return bundle_put_many(r, &k, 1, which) == 1 ? 0 : -1;
 }
 
 /* k leaves its bundle's members (it is freed, or moved). */
@@ -457,17 +514,22 @@ static void bundles_rebuild(restart *r)
 		bundle_seal(r, b);
 		bool all = true;
 		/* Taken off b's list first: one that cannot be moved goes
-		 * back to it, and must not come round in this walk again. */
-		kept *k, *tmp, *moving = b->first;
+		 * back to it, and must not come round in this walk again.
+		 * Moved BUNDLE_MAX at a time, one message each. */
+		kept *moving = b->first, *batch[BUNDLE_MAX];
 		b->first = NULL;
-		DL_FOREACH_SAFE2(moving, k, tmp, bnext)
-		{
-			DL_DELETE2(moving, k, bprev, bnext);
-			k->bundle = NULL;
-			b->members--;
-			if (bundle_put(r, k, BUNDLE_TENURED) < 0) {
-				k->bundle = b;
-				DL_APPEND2(b->first, k, bprev, bnext);
+		while (moving) {
+			size_t n = 0;
+			while (moving && n < BUNDLE_MAX) {
+				kept *k = moving;
+				DL_DELETE2(moving, k, bprev, bnext);
+				k->bundle = NULL;
+				b->members--;
+				batch[n++] = k;
+			}
+			for (size_t i = bundle_put_many(r, batch, n, BUNDLE_TENURED); i < n; i++) {
+				batch[i]->bundle = b;
+				DL_APPEND2(b->first, batch[i], bprev, bnext);
 				b->members++;
 				all = false;
 			}
@@ -750,10 +812,10 @@ static void bundle_take(restart *r, uint64_t n, int fd)
 		return;
 	}
 	for (;;) {
-		bundle_rec rec;
-		struct iovec iov = {.iov_base = &rec, .iov_len = sizeof(rec)};
+		bundle_rec recs[BUNDLE_MAX];
+		struct iovec iov = {.iov_base = recs, .iov_len = sizeof(recs)};
 		union {
-			char buf[CMSG_SPACE(4 * sizeof(int))];
+			char buf[CMSG_SPACE(BUNDLE_MAX * sizeof(int))];
 			struct cmsghdr align;
 		} ctl;
 		struct msghdr m = {.msg_iov = &iov,
@@ -769,8 +831,8 @@ static void bundle_take(restart *r, uint64_t n, int fd)
 					 strerror(errno));
 			break;
 		}
-		b->entries++;
-		int mfd = -1, nfds = 0;
+		int fds[BUNDLE_MAX];
+		size_t nfds = 0;
 		for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
 			if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
 				continue;
@@ -778,24 +840,33 @@ static void bundle_take(restart *r, uint64_t n, int fd)
 			for (size_t i = 0; i < k; i++) {
 				int x;
 				memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-				if (nfds++ == 0)
-					mfd = x;
+				if (nfds < BUNDLE_MAX)
+					fds[nfds++] = x;
 				else
 					close(x);
 			}
 		}
-		bool ok = got == (ssize_t)sizeof(rec) && nfds == 1 &&
-			  !(m.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) && rec.magic[0] == 'b' &&
-			  rec.magic[1] == 'k' && rec.version == BUNDLE_REC_VERSION && !rec.zero &&
-			  rec.id && (rec.letter == 'b' || rec.letter == 'a');
-		kept **table = rec.letter == 'b' ? &r->pbufs : &r->pallocs;
-		kept *p = ok && !kept_find(*table, rec.id)
-				  ? kept_add(table, rec.id, mfd, (char)rec.letter)
-				  : NULL;
-		if (p)
-			p->bundle = b;
-		else if (mfd >= 0)
-			close(mfd); /* not a member: the bundle is rebuilt */
+		/* A message: 1 to BUNDLE_MAX records, as many fds, in order. */
+		size_t nrec = (size_t)got / sizeof(bundle_rec);
+		bool whole = got > 0 && (size_t)got % sizeof(bundle_rec) == 0 && nfds == nrec &&
+			     !(m.msg_flags & (MSG_TRUNC | MSG_CTRUNC));
+		b->entries += nrec ? (uint32_t)nrec : 1;
+		for (size_t i = 0; i < nfds; i++) {
+			const bundle_rec *rec = &recs[i];
+			bool ok = whole && rec->magic[0] == 'b' && rec->magic[1] == 'k' &&
+				  rec->version == BUNDLE_REC_VERSION && !rec->zero && rec->id &&
+				  (rec->letter == 'b' || rec->letter == 'a');
+			kept **table = rec->letter == 'b' ? &r->pbufs : &r->pallocs;
+			kept *p = ok && !kept_find(*table, rec->id)
+					  ? kept_add(table, rec->id, fds[i], (char)rec->letter)
+					  : NULL;
+			if (p)
+				p->bundle = b;
+			else
+				close(fds[i]); /* not a member: the bundle is rebuilt */
+		}
+		if (!whole)
+			b->rebuild = true;
 		if (b->entries > (1u << 20))
 			break; /* no bundle this daemon makes is near it */
 	}

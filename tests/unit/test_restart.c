@@ -281,20 +281,22 @@ static ino_t ino_of(int fd)
 	return st.st_ino;
 }
 
-/* In the child: the 5 fds of src passed as systemd passes them (at 3..,
- * LISTEN_FDNAMES names), the store at notify; the restart made from them
- * with the journal on (generation 2), and a broker on the real host
- * backend started from it. */
-static broker *child_start(const int src[5], const char *names, const char *notify, restart **out)
+/* In the child: the n fds of src (at most 8) passed as systemd passes
+ * them (at 3.., LISTEN_FDNAMES names), the store at notify; the restart
+ * made from them with the journal on (generation 2), and a broker on the
+ * real host backend started from it. */
+static broker *child_start_n(const int *src, int n, const char *names, const char *notify,
+			     restart **out)
 {
-	int moved[5];
-	for (int i = 0; i < 5; i++)
+	int moved[8];
+	for (int i = 0; i < n; i++)
 		moved[i] = fcntl(src[i], F_DUPFD, 100);
-	for (int i = 0; i < 5; i++)
+	for (int i = 0; i < n; i++)
 		CHECK(dup2(moved[i], 3 + i) == 3 + i);
 	char num[32];
 	setenv("LISTEN_FDNAMES", names, 1);
-	setenv("LISTEN_FDS", "5", 1);
+	snprintf(num, sizeof(num), "%d", n);
+	setenv("LISTEN_FDS", num, 1);
 	snprintf(num, sizeof(num), "%d", (int)getpid());
 	setenv("LISTEN_PID", num, 1);
 	setenv("NOTIFY_SOCKET", notify, 1);
@@ -314,6 +316,11 @@ static broker *child_start(const int src[5], const char *names, const char *noti
 	CHECK(listen_fd == -1);
 	*out = r;
 	return b;
+}
+
+static broker *child_start(const int src[5], const char *names, const char *notify, restart **out)
+{
+	return child_start_n(src, 5, names, notify, out);
 }
 
 Test(restart, a_start_adopts_what_was_kept_fails_what_was_not_and_drops_orphans)
@@ -482,20 +489,40 @@ static void bundle_holds(const store *s, const char *name, const int *mem, uint6
 	cr_assert_eq(n, i, "%s: %d messages, want %d", name, n, i);
 }
 
+/* The length of the first message in the bundle stored as name. */
+static ssize_t first_message(const store *s, const char *name)
+{
+	int fd = store_fd(s, name);
+	cr_assert_geq(fd, 0, "%s is not stored: %s", name, s->text);
+	char b[16];
+	return recv(fd, b, sizeof(b), MSG_PEEK | MSG_TRUNC | MSG_DONTWAIT);
+}
+
 Test(restart, a_bundle_holds_64_kept_fds_then_the_next_ones_go_to_a_new_one, .timeout = 30)
 {
 	store s;
 	restart *r = start_empty(&s);
 	int mem[80];
-	keep_buffers(r, mem, 1, 65);
+	keep_buffers(r, mem, 1, 64);
+	store_pump(&s);
+	/* Each new fd is its own message, sent at once. */
+	bundle_holds(&s, "k1", mem, 1, 64, 0);
+	cr_assert_eq(first_message(&s, "k1"), 16);
+	keep_buffers(r, mem, 65, 65);
 	int alloc = memfd_create("allocation", MFD_CLOEXEC);
 	restart_store_allocation(r, 7, alloc);
+	/* At the end of the turn the full fresh bundle k1 is repacked: its
+	 * 64 fds in one message of the tenured bundle k3, then k1 out. */
 	restart_flush(r);
 	store_pump(&s);
 	cr_assert(strstr(s.text, "[FDSTORE=1 FDNAME=k1 FDPOLL=0]"), "%s", s.text);
 	cr_assert(strstr(s.text, "[FDSTORE=1 FDNAME=k2 FDPOLL=0]"), "%s", s.text);
+	long repacked = text_at(&s, "[FDSTORE=1 FDNAME=k3 FDPOLL=0]");
+	cr_assert(repacked >= 0 && text_at(&s, "[FDSTOREREMOVE=1 FDNAME=k1]") > repacked, "%s",
+		  s.text);
 	cr_assert_eq(s.n, 2, "one stored fd a bundle: %s", s.text);
-	bundle_holds(&s, "k1", mem, 1, 64, 0);
+	bundle_holds(&s, "k3", mem, 1, 64, 0);
+	cr_assert_eq(first_message(&s, "k3"), 64 * 16, "one message for the 64");
 	char names[4][32];
 	ino_t inos[4];
 	cr_assert_eq(peek(store_fd(&s, "k2"), names, inos, 4), 2);
@@ -506,22 +533,25 @@ Test(restart, a_bundle_holds_64_kept_fds_then_the_next_ones_go_to_a_new_one, .ti
 	cr_assert_eq(st->bundles, 2);
 	cr_assert_eq(st->names_bytes, 6); /* "k1:" and "k2:" */
 	cr_assert_eq(st->unprotected, 0);
-	cr_assert_eq(restart_held_fds(r), 3); /* k1's stored end; k2's two, open */
+	cr_assert_eq(restart_held_fds(r), 3); /* k3's stored end (full); k2's two, open */
 	restart_free(r);
 	store_close(&s);
 }
 
-/* Buffers 1..65 kept (k1 full, k2 holding 65), then buffer 10 freed. */
+/* Buffers 1..65 kept (k1 full, repacked as k3; k2 holding 65), then
+ * buffer 10 freed. */
 static restart *rebuilt_after_a_free(store *s, int *mem)
 {
 	restart *r = start_empty(s);
 	keep_buffers(r, mem, 1, 65);
 	restart_flush(r);
+	store_pump(s);
+	size_t seen = strlen(s->text);
 	restart_unstore_buffer(r, 10);
 	store_pump(s);
-	/* Until the end of the turn, the message stays, and so does k1. */
-	bundle_holds(s, "k1", mem, 1, 64, 0);
-	cr_assert_null(strstr(s->text, "FDSTOREREMOVE"), "%s", s->text);
+	/* Until the end of the turn, the message stays, and so does k3. */
+	bundle_holds(s, "k3", mem, 1, 64, 0);
+	cr_assert_eq(strlen(s->text), seen, "%s", s->text);
 	restart_flush(r);
 	store_pump(s);
 	return r;
@@ -532,11 +562,13 @@ Test(restart, a_freed_member_makes_its_bundle_rebuilt_at_the_end_of_the_turn, .t
 	store s;
 	int mem[80];
 	restart *r = rebuilt_after_a_free(&s, mem);
-	/* Its live members in a new bundle first, then the old one out. */
-	long moved = text_at(&s, "[FDSTORE=1 FDNAME=k3 FDPOLL=0]");
-	cr_assert(moved >= 0 && text_at(&s, "[FDSTOREREMOVE=1 FDNAME=k1]") > moved, "%s", s.text);
-	cr_assert_lt(store_fd(&s, "k1"), 0);
-	bundle_holds(&s, "k3", mem, 1, 64, 10);
+	/* Its live members in a new bundle first (one message), then the
+	 * old one out. */
+	long moved = text_at(&s, "[FDSTORE=1 FDNAME=k4 FDPOLL=0]");
+	cr_assert(moved >= 0 && text_at(&s, "[FDSTOREREMOVE=1 FDNAME=k3]") > moved, "%s", s.text);
+	cr_assert_lt(store_fd(&s, "k3"), 0);
+	bundle_holds(&s, "k4", mem, 1, 64, 10);
+	cr_assert_eq(first_message(&s, "k4"), 63 * 16);
 	bundle_holds(&s, "k2", mem, 65, 65, 0);
 	const restart_stats *st = restart_get_stats(r);
 	cr_assert_eq(st->bundles, 2);
@@ -551,14 +583,14 @@ Test(restart, what_survives_a_rebuild_goes_to_the_tenured_bundle, .timeout = 30)
 	store s;
 	int mem[80];
 	restart *r = rebuilt_after_a_free(&s, mem);
-	/* k3 (tenured) holds the 63 that were moved; new ones go to the
+	/* k4 (tenured) holds the 63 that were moved; new ones go to the
 	 * fresh bundle k2. */
 	keep_buffers(r, mem, 66, 66);
 	restart_flush(r);
 	store_pump(&s);
 	bundle_holds(&s, "k2", mem, 65, 66, 0);
-	/* k2 loses 65: 66 is moved to k3, k2 goes; the next new one opens
-	 * a fresh bundle, k4. */
+	/* k2 loses 65: 66 is moved to k4, k2 goes; the next new one opens
+	 * a fresh bundle, k5. */
 	restart_unstore_buffer(r, 65);
 	restart_flush(r);
 	keep_buffers(r, mem, 67, 67);
@@ -566,15 +598,15 @@ Test(restart, what_survives_a_rebuild_goes_to_the_tenured_bundle, .timeout = 30)
 	cr_assert_lt(store_fd(&s, "k2"), 0, "%s", s.text);
 	char names[80][32];
 	ino_t inos[80];
-	cr_assert_eq(peek(store_fd(&s, "k3"), names, inos, 80), 64);
+	cr_assert_eq(peek(store_fd(&s, "k4"), names, inos, 80), 64);
 	cr_assert_str_eq(names[63], "b66");
-	bundle_holds(&s, "k4", mem, 67, 67, 0);
+	bundle_holds(&s, "k5", mem, 67, 67, 0);
 	/* A bundle with no member left goes, and nothing is made for it. */
 	restart_unstore_buffer(r, 67);
 	restart_flush(r);
 	store_pump(&s);
-	cr_assert_lt(store_fd(&s, "k4"), 0, "%s", s.text);
-	cr_assert_null(strstr(s.text, "FDNAME=k5"), "%s", s.text);
+	cr_assert_lt(store_fd(&s, "k5"), 0, "%s", s.text);
+	cr_assert_null(strstr(s.text, "FDNAME=k6"), "%s", s.text);
 	cr_assert_eq(s.n, 1);
 	cr_assert_eq(restart_get_stats(r)->bundles, 1);
 	restart_free(r);
@@ -648,6 +680,39 @@ static int make_bundle(const char *letters, const uint64_t *ids, const int *fds,
 	return sv[1];
 }
 
+/* A bundle whose queue holds one message of n records with the first
+ * nfds of fds (a daemon's repacked bundle when nfds == n). */
+static int make_bundle_one(const uint64_t *ids, const int *fds, int n, int nfds)
+{
+	int sv[2];
+	cr_assert_eq(socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, sv), 0);
+	struct {
+		uint8_t magic[2], version, letter;
+		uint32_t zero;
+		uint64_t id;
+	} rec[8];
+	union {
+		struct cmsghdr h;
+		char b[CMSG_SPACE(8 * sizeof(int))];
+	} ctl;
+	memset(&ctl, 0, sizeof(ctl));
+	for (int i = 0; i < n; i++)
+		rec[i] = (__typeof__(rec[0])){{'b', 'k'}, 1, 'b', 0, ids[i]};
+	struct iovec iov = {.iov_base = rec, .iov_len = (size_t)n * sizeof(rec[0])};
+	struct msghdr m = {.msg_iov = &iov,
+			   .msg_iovlen = 1,
+			   .msg_control = ctl.b,
+			   .msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int))};
+	struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+	c->cmsg_level = SOL_SOCKET;
+	c->cmsg_type = SCM_RIGHTS;
+	c->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
+	memcpy(CMSG_DATA(c), fds, (size_t)nfds * sizeof(int));
+	cr_assert_eq(sendmsg(sv[0], &m, 0), (ssize_t)iov.iov_len);
+	close(sv[0]);
+	return sv[1];
+}
+
 /* Passed bundles (an id found in two of them, an orphan, malformed
  * messages, an empty bundle): every buffer is adopted from them, an id
  * found twice is kept once; a bundle whose every message names a live
@@ -660,26 +725,30 @@ Test(restart, a_start_adopts_the_passed_bundles_and_rebuilds_those_with_strays)
 	make_state(&k);
 	store s;
 	store_open(&s);
-	int bundles[4];
-	bundles[0] = make_bundle("bb", k.ids, k.fds, 2); /* k1: buffers 1, 2 */
+	int bundles[5];
+	bundles[0] = make_bundle_one(k.ids, k.fds, 2, 2); /* k1: buffers 1, 2 in one message */
 	bundles[1] =
 		make_bundle("bbb", (uint64_t[]){k.ids[1], k.ids[2], 99},
 			    (int[]){k.fds[1], k.fds[2], k.fds[3]}, 3); /* k5: 2 again, 3, b99 */
 	bundles[2] = make_bundle("?b", (uint64_t[]){k.ids[0], k.ids[1]}, (int[]){k.unknown, -1},
 				 2);                 /* k7: malformed */
 	bundles[3] = make_bundle("", NULL, NULL, 0); /* k8: empty */
+	/* k10, passed before k5: one message of two records with one fd (the
+	 * wrong file for the first): malformed, neither is used */
+	bundles[4] = make_bundle_one((uint64_t[]){k.ids[2], k.ids[0]}, k.fds, 2, 1);
 	pid_t pid = fork();
 	cr_assert_geq(pid, 0);
 	if (pid == 0) {
-		int src[5] = {k.journal, bundles[0], bundles[1], bundles[2], bundles[3]};
+		int src[6] = {k.journal,  bundles[0], bundles[4],
+			      bundles[1], bundles[2], bundles[3]};
 		restart *r;
-		broker *b = child_start(src, "journal-1:k1:k5:k7:k8", s.path, &r);
+		broker *b = child_start_n(src, 6, "journal-1:k1:k10:k5:k7:k8", s.path, &r);
 		const restart_stats *st = restart_get_stats(r);
 		CHECK(st->restored_buffers == 3);
 		CHECK(st->failed_missing == 0);
 		CHECK(st->orphans_closed == 1); /* b99 */
 		CHECK(!st->refused);
-		CHECK(st->bundles == 2); /* k1, and k9 with what k5 held of use */
+		CHECK(st->bundles == 2); /* k1, and k11 with what k5 held of use */
 		broker_error err;
 		broker_conn *root = broker_conn_open(b, 0, 0, 1, &err);
 		broker_info info;
@@ -688,7 +757,7 @@ Test(restart, a_start_adopts_the_passed_bundles_and_rebuilds_those_with_strays)
 		char report[1024];
 		CHECK(broker_check(b, report, sizeof(report)) == 0);
 		each_seen e = {0};
-		CHECK(restart_each_fd(r, each_fn, &e) == 3); /* journal-2, k1, k9 */
+		CHECK(restart_each_fd(r, each_fn, &e) == 3); /* journal-2, k1, k11 */
 		_exit(0);
 	}
 	int status = store_wait(&s, pid);
@@ -696,14 +765,15 @@ Test(restart, a_start_adopts_the_passed_bundles_and_rebuilds_those_with_strays)
 		  status);
 	cr_assert(strstr(s.text, "[FDSTORE=1 FDNAME=journal-2]"), "%s", s.text);
 	cr_assert_null(strstr(s.text, "FDNAME=k1]"), "a whole bundle was touched: %s", s.text);
-	long moved = text_at(&s, "[FDSTORE=1 FDNAME=k9 FDPOLL=0]");
+	long moved = text_at(&s, "[FDSTORE=1 FDNAME=k11 FDPOLL=0]");
 	cr_assert(moved >= 0 && text_at(&s, "[FDSTOREREMOVE=1 FDNAME=k5]") > moved, "%s", s.text);
 	cr_assert(strstr(s.text, "[FDSTOREREMOVE=1 FDNAME=k7]"), "%s", s.text);
 	cr_assert(strstr(s.text, "[FDSTOREREMOVE=1 FDNAME=k8]"), "%s", s.text);
-	cr_assert_eq(s.n, 2, "the store: journal-2 and k9: %s", s.text);
+	cr_assert(strstr(s.text, "[FDSTOREREMOVE=1 FDNAME=k10]"), "%s", s.text);
+	cr_assert_eq(s.n, 2, "the store: journal-2 and k11: %s", s.text);
 	char names[4][32], want[32];
 	ino_t inos[4];
-	cr_assert_eq(peek(store_fd(&s, "k9"), names, inos, 4), 1);
+	cr_assert_eq(peek(store_fd(&s, "k11"), names, inos, 4), 1);
 	snprintf(want, sizeof(want), "b%llu", (unsigned long long)k.ids[2]);
 	cr_assert_str_eq(names[0], want);
 	cr_assert_eq(inos[0], ino_of(k.fds[2]));
@@ -711,7 +781,9 @@ Test(restart, a_start_adopts_the_passed_bundles_and_rebuilds_those_with_strays)
 	cr_assert_eq(peek(bundles[0], names, inos, 4), 2);
 	cr_assert_eq(peek(bundles[1], names, inos, 4), 3);
 	cr_assert_eq(peek(bundles[2], names, inos, 4), 2);
-	for (int i = 0; i < 4; i++)
+	cr_assert_eq(peek(bundles[4], names, inos, 4), 2);
+	cr_assert_str_eq(names[0], "?", "a message without all its fds is malformed");
+	for (int i = 0; i < 5; i++)
 		close(bundles[i]);
 	store_close(&s);
 	kept_state_close(&k);
