@@ -25,12 +25,13 @@ while (($#)); do
 	esac
 	shift
 done
+BUILD=$(cd "$BUILD" && pwd)
 for f in bufbrokerd bufbroker-bench fakesd; do
 	[[ -x $BUILD/$f ]] || { echo "restart-crash.sh: $BUILD/$f is missing: build first" >&2; exit 1; }
 done
 # (the list read whole: grep -q on a pipe could SIGPIPE ldconfig under pipefail)
 if [[ -z ${BUFBROKER_CUDA_LIBRARY:-} && $(/sbin/ldconfig -p 2>/dev/null) != *'libcuda.so.1 '* ]]; then
-	export BUFBROKER_CUDA_LIBRARY=$PWD/$BUILD/libfakecuda.so
+	export BUFBROKER_CUDA_LIBRARY=$BUILD/libfakecuda.so
 fi
 DIR=$(mktemp -d /tmp/bb-restart-crash-XXXXXX)
 cleanup() {
@@ -45,7 +46,7 @@ cleanup() {
 trap cleanup EXIT
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 "$BUILD/fakesd" --dir "$DIR" --socket "$DIR/bb.sock" --store-max 65536 -- \
-	"$PWD/$BUILD/bufbrokerd" --restart --log-level info --max-connections 64 \
+	"$BUILD/bufbrokerd" --restart --log-level info --max-connections 64 \
 	--uid-buffers 300000 --uid-host-bytes 1T --uid-cuda-bytes 1T --cuda-handle vmm \
 	>"$DIR/log" 2>&1 &
 SD=$!
