@@ -813,8 +813,14 @@ static void unref_all(bb_buf **bufs, int n)
 Test(restart, a_buffer_the_store_did_not_take_is_served_then_failed_at_a_restart)
 {
 	setenv("FDSTORE", "3", 1);
-	fsd *f = fsd_start((const char *const[]){"--restart-grace", "600000", NULL});
+	fsd *f = fsd_start((const char *const[]){"--restart-grace", "600000", "--max-host-buffers",
+						 "6400", NULL});
 	unsetenv("FDSTORE");
+	/* Said at start: 6 400 host buffers need 100 bundles, 105 entries. */
+	cr_assert(bbt_log_wait_line(&f->d, 0, bbt_ms(2000),
+				    (const char *const[]){"event=fdstore_too_small fdstore_max=3 "
+							  "needed=105 host_buffers=6400",
+							  NULL}));
 	bb_client *c1 = bbt_connect(&f->d);
 	bb_buf **bufs;
 	bb_client *c2 = one_bundle_kept(f, c1, "event=fdstore_bundle_failed", &bufs);
