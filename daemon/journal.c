@@ -89,19 +89,18 @@ _Static_assert(sizeof(jcopy) + sizeof(journal_token) <= SMALL_COPY, "token copy"
 _Static_assert(sizeof(jcopy) + sizeof(journal_hold) <= SMALL_COPY, "hold copy");
 _Static_assert(sizeof(jcopy) + sizeof(journal_result) <= SMALL_COPY, "result copy");
 
-/* The writer's memory of one slot: which copy is committed and what the
- * transaction under way has written, so that the digest and the counts
- * follow without reading the file back. */
+/* The writer's memory of one slot: the copy written last and what it
+ * holds, so that the digest and the counts follow without reading the file
+ * back. Every transaction begun is committed, so a copy written by an
+ * earlier transaction than the one under way is committed: the next put
+ * writes the other copy, and a commit has no slot to visit. */
 typedef struct jshadow {
 	unsigned char *addr; /* the slot in the mapping */
-	uint64_t cur_ck;     /* checksum of the committed copy */
-	uint64_t pend_ck;    /* ... of the copy this transaction wrote */
-	uint32_t cur_aux;    /* a hold's count in the committed copy */
-	uint32_t pend_aux;
-	uint8_t cur;       /* the committed copy: 0 or 1 */
-	uint8_t cur_type;  /* its type (T_FREE: none) */
-	uint8_t pend_type; /* the type this transaction wrote */
-	uint8_t pending;   /* written in this transaction */
+	uint64_t seq;        /* the transaction that wrote it last; 0: never */
+	uint64_t ck;         /* its copy's checksum */
+	uint32_t aux;        /* a hold's count in it */
+	uint8_t copy;        /* the copy it wrote: 0 or 1 */
+	uint8_t type;        /* the type it wrote (T_FREE: none) */
 } jshadow;
 
 typedef struct jclass {
@@ -127,12 +126,8 @@ struct journal {
 	uint64_t seq;       /* the last committed transaction */
 	uint8_t commit_cur; /* the commit copy that holds it */
 	bool in_txn;
-	jcommit next;      /* the commit being built: ids, digest, counts (its seq and
-			    * checksum set and stored as it is by journal_commit) */
-	uint64_t *touched; /* (class << 32 | slot) written in this transaction; room
-			    * for every slot of both classes, so a put or a drop
-			    * never needs memory but when the file grows */
-	size_t n_touched;
+	jcommit next; /* the commit being built: ids, digest, counts (its seq and
+		       * checksum set and stored as it is by journal_commit) */
 	void (*hook)(void *ctx);
 	void *hook_ctx;
 };
@@ -318,11 +313,6 @@ static int journal__grow(journal *j, uint32_t cls, uint32_t want)
 	if (!dr)
 		return BB_ERR_NO_MEMORY;
 	c->dropped = dr;
-	size_t all = (size_t)j->cls[0].nslots + j->cls[1].nslots + n;
-	uint64_t *t = realloc(j->touched, all * sizeof(*t));
-	if (!t)
-		return BB_ERR_NO_MEMORY;
-	j->touched = t;
 	if (ftruncate(j->fd, (off_t)(j->size + len)) != 0)
 		return BB_ERR_NO_MEMORY;
 	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, (off_t)j->size);
@@ -383,10 +373,12 @@ static inline __attribute__((always_inline)) int journal__put(journal *j, uint32
 		return BB_ERR_INVALID; /* not a slot this journal gave */
 	}
 	jshadow *s = &c->sh[*slot];
-	if (!s->pending)
-		j->touched[j->n_touched++] = (uint64_t)cls << 32 | *slot;
-	unsigned char *dst = s->addr + (size_t)(1 - s->cur) * c->copy;
-	jcopy h = {.seq = j->seq + 1, .slot = *slot, .type = type};
+	uint64_t seq = j->seq + 1;
+	/* The copy not committed: the other one, unless this transaction
+	 * wrote this slot already. */
+	uint8_t to = s->seq == seq ? s->copy : 1 - s->copy;
+	unsigned char *dst = s->addr + (size_t)to * c->copy;
+	jcopy h = {.seq = seq, .slot = *slot, .type = type};
 	uint64_t ck;
 	if (__builtin_expect(j->version == 1, 0)) {
 		ck = journal__copy_v1(j, dst, c->copy, &h, rec, rec_len);
@@ -402,12 +394,11 @@ static inline __attribute__((always_inline)) int journal__put(journal *j, uint32
 	}
 
 	/* The digest and counts, moved from what the slot held to what it holds. */
-	uint8_t was = s->pending ? s->pend_type : s->cur_type;
-	if (was != T_FREE) {
-		j->next.digest -= s->pending ? s->pend_ck : s->cur_ck;
-		j->next.count[was]--;
-		if (was == T_HOLD)
-			j->next.hold_sum -= s->pending ? s->pend_aux : s->cur_aux;
+	if (s->type != T_FREE) {
+		j->next.digest -= s->ck;
+		j->next.count[s->type]--;
+		if (s->type == T_HOLD)
+			j->next.hold_sum -= s->aux;
 	}
 	if (type != T_FREE) {
 		j->next.digest += ck;
@@ -415,10 +406,11 @@ static inline __attribute__((always_inline)) int journal__put(journal *j, uint32
 		if (type == T_HOLD)
 			j->next.hold_sum += aux;
 	}
-	s->pending = 1;
-	s->pend_ck = ck;
-	s->pend_type = (uint8_t)type;
-	s->pend_aux = aux;
+	s->seq = seq;
+	s->ck = ck;
+	s->aux = aux;
+	s->copy = to;
+	s->type = (uint8_t)type;
 	return 0;
 }
 
@@ -483,7 +475,6 @@ void journal_free(journal *j)
 		free(j->cls[i].free);
 		free(j->cls[i].dropped);
 	}
-	free(j->touched);
 	free(j);
 }
 
@@ -621,20 +612,10 @@ void journal_commit(journal *j)
 	j->commit_cur = to;
 	j->seq = c->seq;
 	j->in_txn = false;
-	for (size_t i = 0; i < j->n_touched; i++) {
-		jclass *cl = &j->cls[j->touched[i] >> 32];
-		jshadow *s = &cl->sh[(uint32_t)j->touched[i]];
-		s->cur = 1 - s->cur;
-		s->cur_ck = s->pend_ck;
-		s->cur_type = s->pend_type;
-		s->cur_aux = s->pend_aux;
-		s->pending = 0;
-	}
-	j->n_touched = 0;
 	for (int k = 0; k < 2; k++) {
 		jclass *cl = &j->cls[k];
 		for (uint32_t i = 0; i < cl->n_dropped; i++)
-			if (cl->sh[cl->dropped[i]].cur_type == T_FREE) /* not reused since */
+			if (cl->sh[cl->dropped[i]].type == T_FREE) /* not reused since */
 				cl->free[cl->n_free++] = cl->dropped[i];
 		cl->n_dropped = 0;
 	}
