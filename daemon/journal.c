@@ -720,7 +720,7 @@ static const unsigned char *pick_copy(uint32_t version, const unsigned char *slo
 		int i = k ? 1 - first : first;
 		jcopy h;
 		memcpy(&h, c[i], sizeof(h));
-		if (s[i] && h.ck == copy_ck(version, c[i], copy))
+		if (s[i] && h.ck && h.ck == copy_ck(version, c[i], copy)) /* 0: never a checksum */
 			return c[i];
 	}
 	return NULL;
