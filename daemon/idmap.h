@@ -7,7 +7,9 @@
  * item, plus a bucket array, plus (for a count per connection) a malloc per
  * entry. Here an entry is one 16-byte slot in a flat array: the item's
  * pointer, 32 bits of its id's hash and a 32-bit value for the caller (the
- * connection's count). Open addressing with linear probing, a power-of-two
+ * connection's count), and where the caller asks for it (idmap_aux_on) a
+ * second 32-bit value in an array beside the slots (a hold's journal slot).
+ * Open addressing with linear probing, a power-of-two
  * capacity kept between 1/8 and 3/4 full, and backward-shift deletion (no
  * tombstones, so lookups never slow down with churn).
  *
