@@ -162,7 +162,9 @@ typedef struct conn_result {
 struct broker_conn {
 	uint32_t uid, gid, pid;       /* SO_PEERCRED */
 	uint32_t minor;               /* protocol minor version of its Hello */
-	idmap holdings;               /* item: a buffer; value: this connection's count (> 0) */
+	idmap holdings;               /* item: a buffer; value: this connection's count (> 0);
+				       * journal on, second value (idmap_aux): its hold's
+				       * journal slot */
 	conn_allocation *allocations; /* VMM allocations of the buffers it holds */
 	broker_buf *produced;         /* buffers it allocated, still PENDING */
 	token *tokens;                /* tokens it made that are live */
@@ -178,7 +180,6 @@ struct broker_conn {
 	uint64_t noted_request;       /* broker_conn_note_request's id, 0: none */
 	bool absent;                  /* restored, not resumed yet (RESTART.md) */
 	uint64_t grace_ms;            /* absent: released at this broker time */
-	idmap jholds;                 /* journal on: item a held buffer, value its hold's slot */
 	uint32_t jslot;               /* its session record's slot */
 	bool resumed;                 /* a client resumed it: resent ids are checked */
 	unsigned char secret[BB_TOKEN_SIZE]; /* resumes it (journal on) */
@@ -468,25 +469,23 @@ static void jput_session(broker *b, broker_conn *conn)
 	jcheck(b, journal_put_session(b->j, &conn->jslot, &r));
 }
 
-/* conn's count on buf is now count (0: the hold is gone). */
-static void jput_hold(broker *b, broker_conn *conn, broker_buf *buf, uint32_t count)
+_Static_assert(IDMAP_AUX_NONE == JOURNAL_NO_SLOT, "a new holding has no journal slot");
+
+/* conn's count on the buffer of h, its entry in holdings (conn's, or what
+ * closing it took of them), is now count (0: the hold is gone). The hold's
+ * journal slot is the entry's second value: no lookup of its own. */
+static void jput_hold(broker *b, broker_conn *conn, const idmap *holdings, idmap_slot *h,
+		      uint32_t count)
 {
 	jbegin(b);
-	idmap_slot *s = idmap_find(&conn->jholds, buf->id);
+	uint32_t *slot = idmap_aux(holdings, h);
 	if (count == 0) {
-		if (s) {
-			uint32_t slot = s->value;
-			journal_drop(b->j, &slot, false);
-			idmap_remove(&conn->jholds, s);
-		}
+		journal_drop(b->j, slot, false);
 		return;
 	}
-	uint32_t slot = s ? s->value : JOURNAL_NO_SLOT;
-	journal_hold r = {.session = conn->session, .buffer = buf->id, .count = count};
-	int rc = journal_put_hold(b->j, &slot, &r);
-	if (!rc && !s && (rc = idmap_insert(&conn->jholds, buf, slot)))
-		journal_drop(b->j, &slot, false);
-	jcheck(b, rc);
+	journal_hold r = {
+		.session = conn->session, .buffer = ((broker_buf *)h->item)->id, .count = count};
+	jcheck(b, journal_put_hold(b->j, slot, &r));
 }
 
 static void jput_token(broker *b, token *t)
@@ -717,7 +716,8 @@ static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *he
 			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
 		}
 		if (conn->broker->j)
-			jput_hold(conn->broker, conn, buf, count);
+			jput_hold(conn->broker, conn, &conn->holdings, find_holding(conn, buf->id),
+				  count);
 		if (held)
 			*held = count;
 		return 0;
@@ -727,7 +727,7 @@ static int hold(broker_conn *conn, broker_buf *buf, uint32_t count, uint32_t *he
 			    "buffer %" PRIu64 ": the connection's count would overflow", buf->id);
 	h->value += count;
 	if (conn->broker->j)
-		jput_hold(conn->broker, conn, buf, h->value);
+		jput_hold(conn->broker, conn, &conn->holdings, h, h->value);
 	if (held)
 		*held = h->value;
 	return 0;
@@ -739,7 +739,7 @@ static void unhold(broker_conn *conn, idmap_slot *h, uint32_t count)
 {
 	h->value -= count;
 	if (conn->broker->j)
-		jput_hold(conn->broker, conn, h->item, h->value);
+		jput_hold(conn->broker, conn, &conn->holdings, h, h->value);
 	if (h->value == 0) {
 		uint64_t alloc = fd_allocation(h->item);
 		if (alloc)
@@ -1308,6 +1308,7 @@ broker_conn *broker_conn_open(broker *b, uint32_t uid, uint32_t gid, uint32_t pi
 	conn->session = b->next_session++;
 	conn->jslot = JOURNAL_NO_SLOT;
 	if (b->j) {
+		(void)idmap_aux_on(&conn->holdings); /* owns no memory yet: cannot fail */
 		if (conn_results_new(conn)) {
 			free(conn);
 			b->next_session--;
@@ -1351,7 +1352,7 @@ void broker_conn_close(broker *b, broker_conn *conn)
 	conn->holdings = (idmap){0};
 	for (idmap_slot *h = idmap_next(&held, NULL); h; h = idmap_next(&held, h)) {
 		if (b->j)
-			jput_hold(b, conn, h->item, 0);
+			jput_hold(b, conn, &held, h, 0);
 		drop_refs(b, h->item, h->value);
 	}
 	idmap_free(&held);
@@ -1362,7 +1363,6 @@ void broker_conn_close(broker *b, broker_conn *conn)
 			journal_drop(b->j, &conn->results[i].jslot, false);
 	}
 	free(conn->results);
-	idmap_free(&conn->jholds); /* empty unless the journal was turned off (broker_free) */
 	if (conn->absent)
 		b->nabsent--;
 	conn_allocations_free(conn);
@@ -2273,11 +2273,10 @@ static void journal_everything(broker *b)
 	if (big <= UINT32_MAX && small <= UINT32_MAX)
 		(void)journal_reserve(b->j, (uint32_t)big, (uint32_t)small);
 	DL_FOREACH (b->conns, conn) {
-		(void)idmap_reserve(&conn->jholds, idmap_count(&conn->holdings));
 		jput_session(b, conn);
 		for (idmap_slot *h = idmap_next(&conn->holdings, NULL); h;
 		     h = idmap_next(&conn->holdings, h))
-			jput_hold(b, conn, h->item, h->value);
+			jput_hold(b, conn, &conn->holdings, h, h->value);
 		for (int i = 0; conn->results && i < JOURNAL_RESULT_RING; i++)
 			if (conn->results[i].r.request)
 				jcheck(b, journal_put_result(b->j, &conn->results[i].jslot,
@@ -2321,6 +2320,8 @@ static int restore_state(broker *b, const journal_state *s, broker_conn **conns,
 		DL_APPEND(b->conns, conn);
 		b->nconns++;
 		conns[i] = conn;
+		if (b->j)
+			(void)idmap_aux_on(&conn->holdings); /* owns no memory yet: cannot fail */
 		if (b->j && conn_results_new(conn))
 			return fail(err, BB_ERR_NO_MEMORY, "daemon out of memory");
 	}

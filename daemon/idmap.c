@@ -34,28 +34,38 @@ static uint64_t idmap__id(const void *item)
 }
 
 /* Put an entry known to be absent into the first free slot of its probe
- * sequence. */
-static void idmap__place(idmap_slot *slots, uint32_t cap, const idmap_slot *entry)
+ * sequence; its index. */
+static uint32_t idmap__place(idmap_slot *slots, uint32_t cap, const idmap_slot *entry)
 {
 	uint32_t mask = cap - 1;
 	uint32_t i = entry->hash & mask;
 	while (slots[i].item)
 		i = (i + 1) & mask;
 	slots[i] = *entry;
+	return i;
 }
 
-/* Move every entry into a new array of cap slots. BB_ERR_NO_MEMORY leaves
- * m as it was. */
+/* Move every entry (and its second value) into new arrays of cap slots.
+ * BB_ERR_NO_MEMORY leaves m as it was. */
 static int idmap__resize(idmap *m, uint32_t cap)
 {
 	idmap_slot *slots = calloc(cap, sizeof(*slots));
-	if (!slots)
+	uint32_t *aux = m->with_aux ? malloc(cap * sizeof(*aux)) : NULL;
+	if (!slots || (m->with_aux && !aux)) {
+		free(slots);
+		free(aux);
 		return BB_ERR_NO_MEMORY;
+	}
 	for (uint32_t i = 0; i < m->cap; i++)
-		if (m->slots[i].item)
-			idmap__place(slots, cap, &m->slots[i]);
+		if (m->slots[i].item) {
+			uint32_t k = idmap__place(slots, cap, &m->slots[i]);
+			if (aux)
+				aux[k] = m->aux[i];
+		}
 	free(m->slots);
+	free(m->aux);
 	m->slots = slots;
+	m->aux = aux;
 	m->cap = cap;
 	return 0;
 }
@@ -63,9 +73,26 @@ static int idmap__resize(idmap *m, uint32_t cap)
 void idmap_free(idmap *m)
 {
 	free(m->slots);
+	free(m->aux);
 	m->slots = NULL;
+	m->aux = NULL;
 	m->cap = 0;
 	m->count = 0;
+}
+
+int idmap_aux_on(idmap *m)
+{
+	if (m->with_aux)
+		return 0;
+	if (m->cap) {
+		m->aux = malloc(m->cap * sizeof(*m->aux));
+		if (!m->aux)
+			return BB_ERR_NO_MEMORY;
+		for (uint32_t i = 0; i < m->cap; i++)
+			m->aux[i] = IDMAP_AUX_NONE;
+	}
+	m->with_aux = true;
+	return 0;
 }
 
 idmap_slot *idmap_find(const idmap *m, uint64_t id)
@@ -108,7 +135,9 @@ int idmap_insert(idmap *m, void *item, uint32_t value)
 			return rc;
 	}
 	idmap_slot entry = {.item = item, .hash = idmap__hash(idmap__id(item)), .value = value};
-	idmap__place(m->slots, m->cap, &entry);
+	uint32_t k = idmap__place(m->slots, m->cap, &entry);
+	if (m->aux)
+		m->aux[k] = IDMAP_AUX_NONE;
 	m->count++;
 	return 0;
 }
@@ -125,6 +154,8 @@ void idmap_remove(idmap *m, idmap_slot *slot)
 		uint32_t home = m->slots[j].hash & mask;
 		if (((j - home) & mask) >= ((j - hole) & mask)) {
 			m->slots[hole] = m->slots[j];
+			if (m->aux)
+				m->aux[hole] = m->aux[j];
 			hole = j;
 		}
 	}

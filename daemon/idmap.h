@@ -7,7 +7,9 @@
  * item, plus a bucket array, plus (for a count per connection) a malloc per
  * entry. Here an entry is one 16-byte slot in a flat array: the item's
  * pointer, 32 bits of its id's hash and a 32-bit value for the caller (the
- * connection's count). Open addressing with linear probing, a power-of-two
+ * connection's count), and where the caller asks for it (idmap_aux_on) a
+ * second 32-bit value in an array beside the slots (a hold's journal slot).
+ * Open addressing with linear probing, a power-of-two
  * capacity kept between 1/8 and 3/4 full, and backward-shift deletion (no
  * tombstones, so lookups never slow down with churn).
  *
@@ -19,6 +21,7 @@
 #ifndef BB_IDMAP_H
 #define BB_IDMAP_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 typedef struct idmap_slot {
@@ -31,9 +34,14 @@ typedef struct idmap_slot {
  * insert. */
 typedef struct idmap {
 	idmap_slot *slots; /* cap slots; NULL while cap is 0 */
+	uint32_t *aux;     /* with_aux: cap second values, aux[i] slot i's; else NULL */
 	uint32_t cap;      /* 0 or a power of two */
 	uint32_t count;    /* occupied slots */
+	bool with_aux;     /* idmap_aux_on */
 } idmap;
+
+/* A new entry's second value (idmap_aux). */
+#define IDMAP_AUX_NONE UINT32_MAX
 
 /* Free the slots (not the items); m is empty and usable again. */
 void idmap_free(idmap *m);
@@ -53,6 +61,20 @@ int idmap_reserve(idmap *m, uint32_t n);
 /* Remove the entry in slot (from idmap_find or idmap_next). Never fails;
  * the table may shrink, so every slot pointer is stale afterwards. */
 void idmap_remove(idmap *m, idmap_slot *slot);
+
+/* Give every entry of m a second 32-bit value, kept with it as the table
+ * moves entries (the caller's: the journal's slot of a hold, beside its
+ * count): IDMAP_AUX_NONE for the entries m has and each one inserted
+ * after. 4 bytes more per slot. 0, or BB_ERR_NO_MEMORY leaving m as it
+ * was (never on a table that owns no memory yet). */
+int idmap_aux_on(idmap *m);
+
+/* The second value of slot (a slot of m, which has idmap_aux_on): it may
+ * be changed in place; valid as long as the slot pointer is. */
+static inline uint32_t *idmap_aux(const idmap *m, const idmap_slot *slot)
+{
+	return &m->aux[slot - m->slots];
+}
 
 /* Iteration in no particular order: idmap_next(m, NULL) is the first
  * occupied slot, idmap_next(m, s) the one after s, NULL at the end. Any

@@ -9,6 +9,12 @@
  * one slot class: big slots (buffers) or small slots (sessions, holds,
  * tokens). A slot is two copies of its record; a copy is a header (seq,
  * checksum, slot index, type) and the record's bytes.
+ *
+ * Two layouts: version 2 (written) checksums a copy's header and record
+ * only, with a multiply-fold per 16 bytes, and writes a copy in place in
+ * the mapping; version 1 (read, and written for tests) checksums the whole
+ * fixed-size copy, zero-padded, with a multiply-xor per 8 bytes. The
+ * header and extent entries are the same in both.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -83,19 +89,18 @@ _Static_assert(sizeof(jcopy) + sizeof(journal_token) <= SMALL_COPY, "token copy"
 _Static_assert(sizeof(jcopy) + sizeof(journal_hold) <= SMALL_COPY, "hold copy");
 _Static_assert(sizeof(jcopy) + sizeof(journal_result) <= SMALL_COPY, "result copy");
 
-/* The writer's memory of one slot: which copy is committed and what the
- * transaction under way has written, so that the digest and the counts
- * follow without reading the file back. */
+/* The writer's memory of one slot: the copy written last and what it
+ * holds, so that the digest and the counts follow without reading the file
+ * back. Every transaction begun is committed, so a copy written by an
+ * earlier transaction than the one under way is committed: the next put
+ * writes the other copy, and a commit has no slot to visit. */
 typedef struct jshadow {
 	unsigned char *addr; /* the slot in the mapping */
-	uint64_t cur_ck;     /* checksum of the committed copy */
-	uint64_t pend_ck;    /* ... of the copy this transaction wrote */
-	uint32_t cur_aux;    /* a hold's count in the committed copy */
-	uint32_t pend_aux;
-	uint8_t cur;       /* the committed copy: 0 or 1 */
-	uint8_t cur_type;  /* its type (T_FREE: none) */
-	uint8_t pend_type; /* the type this transaction wrote */
-	uint8_t pending;   /* written in this transaction */
+	uint64_t seq;        /* the transaction that wrote it last; 0: never */
+	uint64_t ck;         /* its copy's checksum */
+	uint32_t aux;        /* a hold's count in it */
+	uint8_t copy;        /* the copy it wrote: 0 or 1 */
+	uint8_t type;        /* the type it wrote (T_FREE: none) */
 } jshadow;
 
 typedef struct jclass {
@@ -111,6 +116,7 @@ typedef struct jclass {
 
 struct journal {
 	int fd;
+	uint32_t version;     /* the layout written: 1 or 2 */
 	unsigned char *page0; /* the header page, mapped */
 	uint64_t size;        /* the file's size */
 	void *ext_base[JOURNAL_EXTENTS];
@@ -120,18 +126,15 @@ struct journal {
 	uint64_t seq;       /* the last committed transaction */
 	uint8_t commit_cur; /* the commit copy that holds it */
 	bool in_txn;
-	jcommit next;      /* the commit being built: ids, digest, counts */
-	uint64_t *touched; /* (class << 32 | slot) written in this transaction; room
-			    * for every slot of both classes, so a put or a drop
-			    * never needs memory but when the file grows */
-	size_t n_touched;
+	jcommit next; /* the commit being built: ids, digest, counts (its seq and
+		       * checksum set and stored as it is by journal_commit) */
 	void (*hook)(void *ctx);
 	void *hook_ctx;
 };
 
 /* ---- checksums ---------------------------------------------------------- */
 
-static uint64_t jmix(uint64_t h)
+static inline uint64_t jmix(uint64_t h)
 {
 	h ^= h >> 33;
 	h *= 0xff51afd7ed558ccdull;
@@ -142,7 +145,8 @@ static uint64_t jmix(uint64_t h)
 }
 
 /* A 64-bit checksum of n bytes (a multiple of 8), seeded; never 0, which
- * marks a copy never written. Order-sensitive: a word moved is a change. */
+ * marks a copy never written. Order-sensitive: a word moved is a change.
+ * Layout 1's copies and commits; the header and extent entries of both. */
 static uint64_t jsum(uint64_t seed, const void *p, size_t n)
 {
 	const unsigned char *b = p;
@@ -157,6 +161,48 @@ static uint64_t jsum(uint64_t seed, const void *p, size_t n)
 	return h ? h : 1;
 }
 
+/* 64 x 64 -> 128-bit product, folded to 64 bits. */
+static inline uint64_t jfold(uint64_t a, uint64_t b)
+{
+	unsigned __int128 r = (unsigned __int128)a * b;
+	return (uint64_t)r ^ (uint64_t)(r >> 64);
+}
+
+/* Layout 2's checksum of the word first followed by n bytes at p (a
+ * multiple of 8), seeded; never 0. Each 16 bytes (a, b) fold into the
+ * state h as jfold(a ^ h, b ^ rotl(h, 32)): one multiply per 16 bytes,
+ * half the instructions of jsum's chain per byte. Every word goes through
+ * a multiply with the state, so a word changed or moved changes the sum
+ * but with a chance of about 2^-64, as jsum's. The seed and the length
+ * start the state through one multiply (odd: a different seed is a
+ * different state); no final mix, which, a bijection, would not make two
+ * sums that are equal differ. Inlined where n is a constant: the loop
+ * unrolls. */
+static inline uint64_t jsum2(uint64_t seed, uint64_t first, const void *p, size_t n)
+{
+	const unsigned char *b = p;
+	uint64_t h = (seed ^ n ^ 0x9e3779b97f4a7c15ull) * 0xff51afd7ed558ccdull;
+	uint64_t x, y;
+	if (n < 8) {
+		h = jfold(first ^ h, h << 32 | h >> 32);
+	} else {
+		memcpy(&y, b, 8);
+		h = jfold(first ^ h, y ^ (h << 32 | h >> 32));
+		size_t i = 8;
+#pragma GCC unroll 32
+		for (; i + 16 <= n; i += 16) {
+			memcpy(&x, b + i, 8);
+			memcpy(&y, b + i + 8, 8);
+			h = jfold(x ^ h, y ^ (h << 32 | h >> 32));
+		}
+		if (i < n) { /* an odd word last */
+			memcpy(&x, b + i, 8);
+			h = jfold(x ^ h, h << 32 | h >> 32);
+		}
+	}
+	return h ? h : 1;
+}
+
 static uint64_t header_ck(const jheader *h)
 {
 	return jsum(0, h, offsetof(jheader, ck));
@@ -167,23 +213,48 @@ static uint64_t extent_ck(const jextent *e)
 	return jsum(1, e, offsetof(jextent, ck));
 }
 
-static uint64_t commit_ck(const jcommit *c)
+/* Over what follows seq and ck, seeded with seq. */
+static inline uint64_t commit_ck(uint32_t version, const jcommit *c)
 {
-	return jsum(c->seq, (const unsigned char *)c + 16, sizeof(*c) - 16);
+	if (version == 1)
+		return jsum(c->seq, (const unsigned char *)c + 16, sizeof(*c) - 16);
+	return jsum2(c->seq, c->next_buffer, &c->next_session,
+		     sizeof(*c) - offsetof(jcommit, next_session));
 }
 
-static uint64_t copy_ck(const unsigned char *copy, uint32_t copy_size)
+/* The bytes of each type's record. */
+static const uint32_t rec_size[T_COUNT] = {
+	[T_FREE] = 0,
+	[T_BUFFER] = sizeof(journal_buffer),
+	[T_SESSION] = sizeof(journal_session),
+	[T_HOLD] = sizeof(journal_hold),
+	[T_TOKEN] = sizeof(journal_token),
+	[T_RESULT] = sizeof(journal_result),
+};
+
+/* The checksum a copy of copy_size bytes should carry. Layout 1: over the
+ * whole copy after seq and ck. Layout 2: over its slot, type and record
+ * (the record's size, by its type); 0 (never a checksum) for a type
+ * unknown or too big for the copy. */
+static uint64_t copy_ck(uint32_t version, const unsigned char *copy, uint32_t copy_size)
 {
-	uint64_t seq;
-	memcpy(&seq, copy, 8);
-	return jsum(seq, copy + 16, copy_size - 16);
+	jcopy h;
+	memcpy(&h, copy, sizeof(h));
+	if (version == 1)
+		return jsum(h.seq, copy + 16, copy_size - 16);
+	if (h.type >= T_COUNT || sizeof(h) + rec_size[h.type] > copy_size)
+		return 0;
+	uint64_t first;
+	memcpy(&first, copy + offsetof(jcopy, slot), 8);
+	return jsum2(h.seq, first, copy + sizeof(h), rec_size[h.type]);
 }
 
 /* ---- the writer ---------------------------------------------------------- */
 
 /* Every store into the file goes through here, so a test can stop after
- * any of them (journal_set_store_hook). */
-static void jstore(journal *j, void *dst, const void *src, size_t n)
+ * any of them (journal_set_store_hook). Inlined: a constant n's memcpy is
+ * a few moves. */
+static inline void jstore(journal *j, void *dst, const void *src, size_t n)
 {
 	if (!j->hook) {
 		memcpy(dst, src, n);
@@ -242,11 +313,6 @@ static int journal__grow(journal *j, uint32_t cls, uint32_t want)
 	if (!dr)
 		return BB_ERR_NO_MEMORY;
 	c->dropped = dr;
-	size_t all = (size_t)j->cls[0].nslots + j->cls[1].nslots + n;
-	uint64_t *t = realloc(j->touched, all * sizeof(*t));
-	if (!t)
-		return BB_ERR_NO_MEMORY;
-	j->touched = t;
 	if (ftruncate(j->fd, (off_t)(j->size + len)) != 0)
 		return BB_ERR_NO_MEMORY;
 	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, (off_t)j->size);
@@ -270,10 +336,30 @@ static int journal__grow(journal *j, uint32_t cls, uint32_t want)
 	return 0;
 }
 
+/* Layout 1's copy (tests only: journal_config.version): built whole,
+ * zero-padded, on the stack, then stored. Its checksum. */
+static __attribute__((noinline)) uint64_t journal__copy_v1(journal *j, unsigned char *dst,
+							   uint32_t copy_size, jcopy *h,
+							   const void *rec, size_t rec_len)
+{
+	unsigned char copy[BIG_COPY];
+	memset(copy, 0, copy_size);
+	memcpy(copy, h, sizeof(*h));
+	if (rec_len)
+		memcpy(copy + sizeof(*h), rec, rec_len);
+	uint64_t ck = copy_ck(1, copy, copy_size);
+	memcpy(copy + 8, &ck, 8);
+	jstore(j, dst, copy, copy_size);
+	return ck;
+}
+
 /* Write a record of type (T_FREE: a drop) with its bytes into *slot's
- * uncommitted copy; a new slot when *slot is JOURNAL_NO_SLOT. */
-static int journal__put(journal *j, uint32_t cls, uint32_t *slot, uint32_t type, const void *rec,
-			size_t rec_len, uint32_t aux)
+ * uncommitted copy; a new slot when *slot is JOURNAL_NO_SLOT. Inlined
+ * into each put, so that rec_len is a constant there. */
+static inline __attribute__((always_inline)) int journal__put(journal *j, uint32_t cls,
+							      uint32_t *slot, uint32_t type,
+							      const void *rec, size_t rec_len,
+							      uint32_t aux)
 {
 	jclass *c = &j->cls[cls];
 	if (*slot == JOURNAL_NO_SLOT) {
@@ -287,25 +373,32 @@ static int journal__put(journal *j, uint32_t cls, uint32_t *slot, uint32_t type,
 		return BB_ERR_INVALID; /* not a slot this journal gave */
 	}
 	jshadow *s = &c->sh[*slot];
-	if (!s->pending)
-		j->touched[j->n_touched++] = (uint64_t)cls << 32 | *slot;
-	unsigned char copy[BIG_COPY];
-	memset(copy, 0, c->copy);
-	jcopy h = {.seq = j->seq + 1, .slot = *slot, .type = type};
-	memcpy(copy, &h, sizeof(h));
-	if (rec_len)
-		memcpy(copy + sizeof(h), rec, rec_len);
-	uint64_t ck = copy_ck(copy, c->copy);
-	memcpy(copy + 8, &ck, 8);
-	jstore(j, s->addr + (size_t)(1 - s->cur) * c->copy, copy, c->copy);
+	uint64_t seq = j->seq + 1;
+	/* The copy not committed: the other one, unless this transaction
+	 * wrote this slot already. */
+	uint8_t to = s->seq == seq ? s->copy : 1 - s->copy;
+	unsigned char *dst = s->addr + (size_t)to * c->copy;
+	jcopy h = {.seq = seq, .slot = *slot, .type = type};
+	uint64_t ck;
+	if (__builtin_expect(j->version == 1, 0)) {
+		ck = journal__copy_v1(j, dst, c->copy, &h, rec, rec_len);
+	} else {
+		/* In place: the header and the record, nothing after it (the
+		 * checksum does not cover it, the reader does not read it). */
+		uint64_t first;
+		memcpy(&first, &h.slot, 8);
+		h.ck = ck = jsum2(h.seq, first, rec, rec_len);
+		jstore(j, dst, &h, sizeof(h));
+		if (rec_len)
+			jstore(j, dst + sizeof(h), rec, rec_len);
+	}
 
 	/* The digest and counts, moved from what the slot held to what it holds. */
-	uint8_t was = s->pending ? s->pend_type : s->cur_type;
-	if (was != T_FREE) {
-		j->next.digest -= s->pending ? s->pend_ck : s->cur_ck;
-		j->next.count[was]--;
-		if (was == T_HOLD)
-			j->next.hold_sum -= s->pending ? s->pend_aux : s->cur_aux;
+	if (s->type != T_FREE) {
+		j->next.digest -= s->ck;
+		j->next.count[s->type]--;
+		if (s->type == T_HOLD)
+			j->next.hold_sum -= s->aux;
 	}
 	if (type != T_FREE) {
 		j->next.digest += ck;
@@ -313,18 +406,24 @@ static int journal__put(journal *j, uint32_t cls, uint32_t *slot, uint32_t type,
 		if (type == T_HOLD)
 			j->next.hold_sum += aux;
 	}
-	s->pending = 1;
-	s->pend_ck = ck;
-	s->pend_type = (uint8_t)type;
-	s->pend_aux = aux;
+	s->seq = seq;
+	s->ck = ck;
+	s->aux = aux;
+	s->copy = to;
+	s->type = (uint8_t)type;
 	return 0;
 }
 
 int journal_create(const journal_config *cfg, journal **out, char *err, size_t len)
 {
+	uint32_t version = cfg && cfg->version ? cfg->version : JOURNAL_VERSION;
+	if (version < JOURNAL_VERSION_OLDEST || version > JOURNAL_VERSION)
+		return set_err(err, len, BB_ERR_INVALID, "journal: cannot write version %u",
+			       version);
 	journal *j = calloc(1, sizeof(*j));
 	if (!j)
 		return set_err(err, len, BB_ERR_NO_MEMORY, "journal: out of memory");
+	j->version = version;
 	j->cls[CLASS_BIG].copy = BIG_COPY;
 	j->cls[CLASS_SMALL].copy = SMALL_COPY;
 	j->cls[CLASS_BIG].first_extent_slots = cfg && cfg->big_slots ? cfg->big_slots : 1024;
@@ -342,7 +441,7 @@ int journal_create(const journal_config *cfg, journal **out, char *err, size_t l
 	if (j->page0 == MAP_FAILED)
 		goto err_sys;
 	jheader h = {.magic = JOURNAL_MAGIC,
-		     .version = JOURNAL_VERSION,
+		     .version = j->version,
 		     .big_copy = BIG_COPY,
 		     .small_copy = SMALL_COPY};
 	h.ck = header_ck(&h);
@@ -376,7 +475,6 @@ void journal_free(journal *j)
 		free(j->cls[i].free);
 		free(j->cls[i].dropped);
 	}
-	free(j->touched);
 	free(j);
 }
 
@@ -439,20 +537,13 @@ int journal_put_buffer(journal *j, uint32_t *slot, const journal_buffer *b)
 	return journal__put(j, CLASS_BIG, slot, T_BUFFER, &r, sizeof(r), 0);
 }
 
+/* A session record has no padding: stored as it is given (every request
+ * writes one). */
+_Static_assert(sizeof(journal_session) == 4 * 8 + 4 * 4 + BB_TOKEN_SIZE, "session padding");
+
 int journal_put_session(journal *j, uint32_t *slot, const journal_session *s)
 {
-	journal_session r;
-	memset(&r, 0, sizeof(r));
-	r.id = s->id;
-	r.last_request = s->last_request;
-	r.applied_mask = s->applied_mask;
-	r.grace_ms = s->grace_ms;
-	r.uid = s->uid;
-	r.gid = s->gid;
-	r.pid = s->pid;
-	r.minor = s->minor;
-	memcpy(r.secret, s->secret, sizeof(r.secret));
-	return journal__put(j, CLASS_SMALL, slot, T_SESSION, &r, sizeof(r), 0);
+	return journal__put(j, CLASS_SMALL, slot, T_SESSION, s, sizeof(*s), 0);
 }
 
 int journal_put_hold(journal *j, uint32_t *slot, const journal_hold *h)
@@ -510,31 +601,21 @@ void journal_commit(journal *j)
 {
 	if (!j->in_txn)
 		return;
-	jcommit c = j->next;
-	c.seq = j->seq + 1;
-	c.ck = commit_ck(&c);
+	jcommit *c = &j->next; /* stored as it is: no copy on the stack */
+	c->seq = j->seq + 1;
+	c->ck = commit_ck(j->version, c);
 	uint8_t to = j->seq ? 1 - j->commit_cur : 0;
 	jfence(); /* every record of the transaction before its commit */
 	/* The rest of the copy's COMMIT_COPY bytes stays zero. */
-	jstore(j, j->page0 + COMMIT_OFF + to * COMMIT_COPY, &c, sizeof(c));
+	jstore(j, j->page0 + COMMIT_OFF + to * COMMIT_COPY, c, sizeof(*c));
 	jfence();
 	j->commit_cur = to;
-	j->seq = c.seq;
+	j->seq = c->seq;
 	j->in_txn = false;
-	for (size_t i = 0; i < j->n_touched; i++) {
-		jclass *cl = &j->cls[j->touched[i] >> 32];
-		jshadow *s = &cl->sh[(uint32_t)j->touched[i]];
-		s->cur = 1 - s->cur;
-		s->cur_ck = s->pend_ck;
-		s->cur_type = s->pend_type;
-		s->cur_aux = s->pend_aux;
-		s->pending = 0;
-	}
-	j->n_touched = 0;
 	for (int k = 0; k < 2; k++) {
 		jclass *cl = &j->cls[k];
 		for (uint32_t i = 0; i < cl->n_dropped; i++)
-			if (cl->sh[cl->dropped[i]].cur_type == T_FREE) /* not reused since */
+			if (cl->sh[cl->dropped[i]].type == T_FREE) /* not reused since */
 				cl->free[cl->n_free++] = cl->dropped[i];
 		cl->n_dropped = 0;
 	}
@@ -621,8 +702,8 @@ static int cmp_result(const void *a, const void *b)
 /* The committed copy of a slot: the valid one with the highest sequence
  * number not above seq. NULL when neither is (never written, or both
  * unusable: the digest then tells whether a record went missing). */
-static const unsigned char *pick_copy(const unsigned char *slot, uint32_t copy, uint64_t index,
-				      uint64_t seq)
+static const unsigned char *pick_copy(uint32_t version, const unsigned char *slot, uint32_t copy,
+				      uint64_t index, uint64_t seq)
 {
 	/* The candidates by their headers, the higher sequence number first
 	 * (copy 0 first on a tie); the first whose checksum holds is the
@@ -639,20 +720,20 @@ static const unsigned char *pick_copy(const unsigned char *slot, uint32_t copy, 
 		int i = k ? 1 - first : first;
 		jcopy h;
 		memcpy(&h, c[i], sizeof(h));
-		if (s[i] && h.ck == copy_ck(c[i], copy))
+		if (s[i] && h.ck && h.ck == copy_ck(version, c[i], copy)) /* 0: never a checksum */
 			return c[i];
 	}
 	return NULL;
 }
 
 /* Read the slots of one extent into the state's vectors. */
-static int read_extent(const unsigned char *base, const jextent *e, uint64_t seq, jvec v[T_COUNT],
-		       jcommit *seen, char *err, size_t len)
+static int read_extent(uint32_t version, const unsigned char *base, const jextent *e, uint64_t seq,
+		       jvec v[T_COUNT], jcommit *seen, char *err, size_t len)
 {
 	uint32_t copy = e->cls == CLASS_BIG ? BIG_COPY : SMALL_COPY;
 	for (uint32_t i = 0; i < e->nslots; i++) {
 		const unsigned char *c =
-			pick_copy(base + (size_t)i * 2 * copy, copy, e->first + i, seq);
+			pick_copy(version, base + (size_t)i * 2 * copy, copy, e->first + i, seq);
 		if (!c)
 			continue;
 		jcopy h;
@@ -711,16 +792,20 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		rc = set_err(err, len, BB_ERR_INVALID, "journal: not a journal (bad header)");
 		goto out;
 	}
-	if (h.version != JOURNAL_VERSION || h.big_copy != BIG_COPY || h.small_copy != SMALL_COPY) {
-		rc = set_err(err, len, BB_ERR_INVALID, "journal: version %u is not %u", h.version,
-			     JOURNAL_VERSION);
+	if (h.version < JOURNAL_VERSION_OLDEST || h.version > JOURNAL_VERSION ||
+	    h.big_copy != BIG_COPY || h.small_copy != SMALL_COPY) {
+		rc = set_err(err, len, BB_ERR_INVALID,
+			     "journal: version %u (copies of %u and %u bytes) is not one of %u to "
+			     "%u (%u and %u)",
+			     h.version, h.big_copy, h.small_copy, JOURNAL_VERSION_OLDEST,
+			     JOURNAL_VERSION, BIG_COPY, SMALL_COPY);
 		goto out;
 	}
 	jcommit commit = {0};
 	for (int i = 0; i < 2; i++) {
 		jcommit c;
 		memcpy(&c, m + COMMIT_OFF + i * COMMIT_COPY, sizeof(c));
-		if (c.seq && c.ck == commit_ck(&c) && c.seq > commit.seq)
+		if (c.seq && c.ck == commit_ck(h.version, &c) && c.seq > commit.seq)
 			commit = c;
 	}
 	if (!commit.seq) {
@@ -749,7 +834,7 @@ int journal_read(int fd, journal_state *out, char *err, size_t len)
 		if (e.offset < PAGE || e.offset > size || bytes > size - e.offset)
 			break;
 		first[e.cls] += e.nslots;
-		rc = read_extent(m + e.offset, &e, commit.seq, v, &seen, err, len);
+		rc = read_extent(h.version, m + e.offset, &e, commit.seq, v, &seen, err, len);
 		if (rc)
 			goto out;
 	}

@@ -39,7 +39,10 @@
 #include "bufbroker/bufbroker.h"
 
 #define JOURNAL_MAGIC 0x4c4e524a42425542ull /* "BUBBJRNL" little-endian */
-#define JOURNAL_VERSION 1
+/* The file layout journal_create writes, and the oldest journal_read reads
+ * (docs/RESTART.md, "Layout"). */
+#define JOURNAL_VERSION 2
+#define JOURNAL_VERSION_OLDEST 1
 #define JOURNAL_ERROR_MAX 255 /* a buffer's error text, without the NUL */
 #define JOURNAL_NO_SLOT UINT32_MAX
 #define JOURNAL_EXTENTS 32 /* the most extents a journal file has */
@@ -145,11 +148,15 @@ typedef struct journal journal;
 typedef struct journal_config {
 	uint32_t big_slots;   /* buffer slots of the first extent (0: 1024) */
 	uint32_t small_slots; /* session/hold/token/result slots of the first extent (0: 4096) */
+	uint32_t version;     /* tests only: the layout to write, JOURNAL_VERSION_OLDEST to
+			       * JOURNAL_VERSION (0: JOURNAL_VERSION), so that a reader's
+			       * handling of an older daemon's journal can be tested */
 } journal_config;
 
 /* A new, empty journal in a new memfd (sealed against shrinking), with
  * transaction 1 committed: the empty state, ids from 1. 0, or BB_ERR_SYSTEM / BB_ERR_NO_MEMORY
- * with *err (len bytes) saying why. */
+ * with *err (len bytes) saying why; BB_ERR_INVALID for a cfg->version this
+ * build does not write. */
 int journal_create(const journal_config *cfg, journal **out, char *err, size_t len);
 /* Unmaps and closes the memfd (a dup of journal_fd, e.g. in the fd store,
  * keeps the file). */
@@ -198,8 +205,9 @@ uint64_t journal_seq(const journal *j);
  * crash could stop the writer. NULL: none. */
 void journal_set_store_hook(journal *j, void (*fn)(void *ctx), void *ctx);
 
-/* Rebuild the state from a journal file (a memfd from the fd store). The
- * file is only read. 0 and *out (free with journal_state_free), or
+/* Rebuild the state from a journal file (a memfd from the fd store) of any
+ * layout from JOURNAL_VERSION_OLDEST to JOURNAL_VERSION. The file is only
+ * read. 0 and *out (free with journal_state_free), or
  * BB_ERR_INVALID when it is not a journal, or BB_ERR_PROTOCOL when it is
  * inconsistent (a record lost or stale, counts or digest that do not match
  * the commit): never a state that was not committed. BB_ERR_SYSTEM /

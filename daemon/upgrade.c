@@ -62,8 +62,13 @@ void upgrade_save_argv(int argc, char **argv)
 
 void upgrade_print_journal_versions(FILE *out)
 {
-	/* A binary that converts older layouts lists them too. */
-	fprintf(out, "%s %d\n", UPGRADE_VERSIONS_PREFIX, JOURNAL_VERSION);
+	/* Every layout it reads: the one it writes and the older ones it
+	 * converts (journal_read), so that a daemon of any of them may
+	 * upgrade to it. */
+	fprintf(out, "%s", UPGRADE_VERSIONS_PREFIX);
+	for (int v = JOURNAL_VERSION; v >= JOURNAL_VERSION_OLDEST; v--)
+		fprintf(out, " %d", v);
+	fputc('\n', out);
 }
 
 bool upgrade_take_env(void)

@@ -31,7 +31,7 @@
 /* The most output of the preflight that is kept (and quoted in answers). */
 #define UPGRADE_OUTPUT_MAX 512
 /* The line --check-journal-version prints, followed by the layout versions
- * the binary reads, separated by spaces: "journal versions: 1". */
+ * the binary reads, separated by spaces: "journal versions: 2 1". */
 #define UPGRADE_VERSIONS_PREFIX "journal versions:"
 /* The new image's environment: set to "1" in a daemon that an upgrade
  * started; names the memfd holding LISTEN_FDNAMES (which may exceed the

@@ -540,6 +540,36 @@ Test(upgrade, a_binary_that_fails_the_preflight_is_refused_with_its_output)
 	bbt_stop_clean(d);
 }
 
+/* The daemon lists every journal layout it reads, the one it writes first:
+ * a daemon of the build before, whose journal has the older layout, takes
+ * it in its preflight. A binary that lists only the older layout cannot
+ * read this daemon's journal: refused. */
+Test(upgrade, the_preflight_lists_every_layout_read_and_wants_the_journal_s_own)
+{
+	const char *exe = getenv("BUFBROKERD");
+	cr_assert(exe && exe[0], "BUFBROKERD is not set (ctest sets it to the built daemon)");
+	char cmd[512], line[256] = "";
+	snprintf(cmd, sizeof(cmd), "'%s' --check-journal-version", exe);
+	FILE *p = popen(cmd, "r");
+	cr_assert_not_null(p);
+	cr_assert_not_null(fgets(line, sizeof(line), p));
+	cr_assert_eq(pclose(p), 0);
+	cr_assert_str_eq(line, "journal versions: 2 1\n");
+
+	bbt_daemon *d = start_daemon(true);
+	char path[256], msg[1024];
+	write_script(d, "v1-only", "echo 'journal versions: 1'\n", path, sizeof(path));
+	size_t from = bbt_log_size(d);
+	cr_assert_eq(raw_upgrade(d, path, (uid_t)-1, msg, sizeof(msg)), BB_ERR_UNSUPPORTED);
+	cr_assert(strstr(msg, "cannot read this daemon's state journal (layout version 2)"), "%s",
+		  msg);
+	cr_assert_eq(log_count(d, from, "event=upgrade_exec"), 0);
+	bb_client *c = bbt_connect(d);
+	cr_assert_eq(bbt_check_problems(c), 0);
+	bb_disconnect(c);
+	bbt_stop_clean(d);
+}
+
 Test(upgrade, a_binary_that_cannot_be_executed_is_refused_and_the_daemon_serves_on)
 {
 	bbt_daemon *d = start_daemon(true);
@@ -571,7 +601,7 @@ Test(upgrade, an_execve_that_fails_puts_every_fd_back_and_the_daemon_serves_on)
 	bbt_daemon *d = start_daemon(true);
 	char path[256], sb[64];
 	void *p;
-	write_script(d, "vanishing", "echo 'journal versions: 1'\nrm -f \"$0\"\n", path,
+	write_script(d, "vanishing", "echo 'journal versions: 2 1'\nrm -f \"$0\"\n", path,
 		     sizeof(path));
 
 	/* Buffers (their memfds take fd numbers 3, 4, ... are handed over

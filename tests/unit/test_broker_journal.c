@@ -116,14 +116,20 @@ static broker *broker_with(journal *j)
 	return b;
 }
 
-static journal *new_journal(void)
+/* A journal of file layout version (0: the current one). */
+static journal *new_journal_of(uint32_t version)
 {
 	journal *j = NULL;
 	char why[256];
 	/* Small first extents: the file grows while the workload runs. */
-	journal_config jc = {.big_slots = 4, .small_slots = 8};
+	journal_config jc = {.big_slots = 4, .small_slots = 8, .version = version};
 	cr_assert_eq(journal_create(&jc, &j, why, sizeof(why)), 0, "%s", why);
 	return j;
+}
+
+static journal *new_journal(void)
+{
+	return new_journal_of(0);
 }
 
 /* ---- what a broker looks like from outside ---------------------------------- */
@@ -369,6 +375,50 @@ Test(broker_journal, a_restored_broker_journals_itself_and_carries_on)
 	cr_assert_eq(broker_journal_errors(r), 0);
 
 	free(want);
+	free(again);
+	broker_free(r);
+	journal_free(j2);
+	workload_end(&w);
+	journal_free(j);
+}
+
+/* The layout version in a journal file's header. */
+static uint32_t file_version(int fd)
+{
+	uint32_t v = 0;
+	cr_assert_eq(pread(fd, &v, sizeof(v), 8), (ssize_t)sizeof(v));
+	return v;
+}
+
+/* The daemon of the build before kept its state in layout 1: the upgraded
+ * daemon's broker rebuilds from it equal to the broker that wrote it, and
+ * journals itself in the current layout, which rebuilds it again. */
+Test(broker_journal, a_layout_1_journal_rebuilds_the_broker_that_wrote_it)
+{
+	journal *j = new_journal_of(1);
+	cr_assert_eq(file_version(journal_fd(j)), 1);
+	workload w;
+	workload_start(&w, j);
+	for (int k = 0; k < 400; k++)
+		step(&w);
+	char *want = view_of(w.b, w.root, 0);
+	char *got = view_restored(journal_fd(j));
+	cr_assert_not_null(got, "the layout 1 journal was refused");
+	cr_assert_str_eq(got, want);
+
+	journal *j2 = new_journal();
+	broker *r = broker_with(j2);
+	broker_error err;
+	cr_assert_eq(broker_restore(r, journal_fd(j), restore_mem, NULL, &err), 0, "%s", err.msg);
+	cr_assert_eq(file_version(journal_fd(j2)), JOURNAL_VERSION);
+	char *again = view_restored(journal_fd(j2));
+	cr_assert_not_null(again);
+	cr_assert_str_eq(again, want);
+	cr_assert_eq(broker_journal_errors(w.b), 0);
+	cr_assert_eq(broker_journal_errors(r), 0);
+
+	free(want);
+	free(got);
 	free(again);
 	broker_free(r);
 	journal_free(j2);

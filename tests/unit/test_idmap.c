@@ -270,12 +270,17 @@ static uint64_t next_random(uint64_t *x)
 	return *x;
 }
 
-Test(idmap, churn_keeps_every_entry_reachable)
+/* Random inserts, updates and removals in phases that fill the table and
+ * drain it. with_aux: second values (idmap_aux_on, turned on once the table
+ * holds entries) are checked as well: IDMAP_AUX_NONE for what the table
+ * held then and for each entry inserted, and each stays with its entry
+ * while insertions, backward shifts, growth and shrinking move it. */
+static void churn(bool with_aux)
 {
-	enum { IDS = 3000, OPS = 200000 };
+	enum { IDS = 3000, OPS = 200000, AUX_FROM = 1000 };
 	static item items[IDS];
 	static bool in[IDS];
-	static uint32_t values[IDS];
+	static uint32_t values[IDS], aux[IDS];
 	uint64_t rnd = 0x9e3779b97f4a7c15u;
 	uint32_t most = 0, least_after_most = UINT32_MAX;
 	idmap m = {0};
@@ -283,6 +288,13 @@ Test(idmap, churn_keeps_every_entry_reachable)
 	for (int i = 0; i < IDS; i++)
 		items[i].id = (uint64_t)i * 1000003 + 1;
 	for (int op = 0; op < OPS; op++) {
+		if (with_aux && op == AUX_FROM) {
+			cr_assert_gt(m.count, 0);
+			cr_assert_eq(idmap_aux_on(&m), 0);
+			for (int j = 0; j < IDS; j++)
+				aux[j] = IDMAP_AUX_NONE;
+		}
+		bool aux_on = with_aux && op >= AUX_FROM;
 		/* Phases that fill up and drain, so the table grows and shrinks. */
 		bool filling = (op / 20000) % 2 == 0;
 		int i = (int)(next_random(&rnd) % IDS);
@@ -293,12 +305,19 @@ Test(idmap, churn_keeps_every_entry_reachable)
 			values[i] = (uint32_t)op;
 			cr_assert_eq(idmap_insert(&m, &items[i], values[i]), 0);
 			in[i] = true;
+			if (aux_on) {
+				uint32_t *a = idmap_aux(&m, idmap_find(&m, items[i].id));
+				cr_assert_eq(*a, IDMAP_AUX_NONE, "op %d: a new entry's", op);
+				*a = aux[i] = (uint32_t)op;
+			}
 		} else if (in[i] && (!filling || next_random(&rnd) % 4 == 0)) {
 			cr_assert_eq(s->value, values[i]);
 			idmap_remove(&m, s);
 			in[i] = false;
 		} else if (in[i]) {
 			s->value = ++values[i];
+			if (aux_on)
+				*idmap_aux(&m, s) = aux[i] = ~(uint32_t)op;
 		}
 		if (m.cap > most) {
 			most = m.cap;
@@ -313,6 +332,11 @@ Test(idmap, churn_keeps_every_entry_reachable)
 				cr_assert_eq(t != NULL, in[j]);
 				if (t)
 					cr_assert_eq(t->item, &items[j]);
+				if (t && aux_on)
+					cr_assert_eq(*idmap_aux(&m, t), aux[j],
+						     "op %d: id %llu's second value %u, not %u", op,
+						     (unsigned long long)items[j].id,
+						     *idmap_aux(&m, t), aux[j]);
 			}
 		}
 	}
@@ -321,5 +345,16 @@ Test(idmap, churn_keeps_every_entry_reachable)
 		      least_after_most);
 	idmap_free(&m);
 	cr_assert_null(m.slots);
+	cr_assert_null(m.aux);
 	cr_assert_eq(m.count, 0);
+}
+
+Test(idmap, churn_keeps_every_entry_reachable)
+{
+	churn(false);
+}
+
+Test(idmap, second_values_move_with_their_entries)
+{
+	churn(true);
 }
