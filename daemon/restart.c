@@ -147,6 +147,7 @@ struct restart {
 	char (*removals)[NAME_MAX_LEN]; /* names to remove at the end of the turn */
 	size_t nremovals, capremovals;
 	bool warned_unprotected; /* the first failed add was logged */
+	uint64_t retried_us;     /* the last try at the unprotected (mono_us) */
 	restart_stats stats;
 	/* Where the start's time went (us; the restart log line). */
 	uint64_t new_at_us; /* restart_new was called */
@@ -503,8 +504,9 @@ static void bundle_leave(restart *r, kept *k)
 /* Rebuild the bundles that lost members: every member moved to the
  * tenured bundle first, then the emptied ones out of the store. A member
  * that cannot be moved keeps its bundle in the store. */
-static void bundles_rebuild(restart *r)
+static size_t bundles_rebuild(restart *r)
 {
+	size_t dropped = 0;
 	bundle *drop = NULL;
 	for (bundle *b = r->dirty, *next; b; b = next) {
 		next = b->dnext;
@@ -543,14 +545,42 @@ static void bundles_rebuild(restart *r)
 	for (bundle *b = drop, *next; b; b = next) {
 		next = b->dnext;
 		bundle_drop(r, b);
+		dropped++;
 	}
+	return dropped;
+}
+
+static uint64_t mono_us(void);
+
+/* Kept fds that no bundle took (the store or its names full, the notify
+ * socket full for 10 ms, no socket): tried again at the end of a turn that
+ * dropped a bundle (room may have come back), or a second after the last
+ * try; the first that fails again ends the try. A scan of the kept fds,
+ * only while some are unprotected. */
+static void retry_unprotected(restart *r, bool dropped)
+{
+	if (!r->store || !r->stats.unprotected || r->restoring)
+		return;
+	uint64_t now = mono_us();
+	if (!dropped && now - r->retried_us < 1000000)
+		return;
+	r->retried_us = now;
+	kept *tables[2] = {r->bufs, r->allocs};
+	for (int t = 0; t < 2; t++)
+		for (kept *k = tables[t]; k; k = k->hh.next) {
+			if (k->bundle || k->named)
+				continue;
+			if (bundle_put(r, k, BUNDLE_FRESH) < 0)
+				return;
+			r->stats.unprotected--;
+		}
 }
 
 void restart_flush(restart *r)
 {
 	if (!r)
 		return;
-	bundles_rebuild(r);
+	retry_unprotected(r, bundles_rebuild(r) > 0);
 	for (size_t i = 0; i < r->nremovals; i++)
 		store_remove_now(r, r->removals[i]);
 	r->nremovals = 0;

@@ -661,6 +661,35 @@ Test(restart, the_stored_names_stay_within_what_listen_fdnames_can_pass, .timeou
 	store_close(&s);
 }
 
+/* A kept fd no bundle could take is tried again once there is room: at
+ * the end of a turn that dropped a bundle (or a second after the last
+ * try), it goes into a bundle and is protected again. */
+Test(restart, an_unprotected_fd_is_bundled_once_a_bundle_makes_room, .timeout = 30)
+{
+	setenv("BUFBROKERD_TEST_FDNAMES_MAX", "3", 1); /* "k1:" only */
+	store s;
+	restart *r = start_empty(&s);
+	unsetenv("BUFBROKERD_TEST_FDNAMES_MAX");
+	const restart_stats *st = restart_get_stats(r);
+	int mem[80];
+	keep_buffers(r, mem, 1, 66); /* k1 full; 65 and 66: no room for "k2:" */
+	restart_flush(r);            /* k1's repack has no room either */
+	cr_assert(st->bundles == 1 && st->unprotected == 2, "%llu bundles, %llu unprotected",
+		  (unsigned long long)st->bundles, (unsigned long long)st->unprotected);
+	restart_flush(r); /* within the second: not tried again */
+	cr_assert_eq(st->unprotected, 2);
+	for (uint64_t id = 1; id <= 64; id++)
+		restart_unstore_buffer(r, id);
+	restart_flush(r); /* k1 goes: room for one bundle, and it is used */
+	store_pump(&s);
+	cr_assert_lt(store_fd(&s, "k1"), 0, "%s", s.text);
+	bundle_holds(&s, "k2", mem, 65, 66, 0);
+	cr_assert(st->bundles == 1 && st->unprotected == 0, "%llu bundles, %llu unprotected",
+		  (unsigned long long)st->bundles, (unsigned long long)st->unprotected);
+	restart_free(r);
+	store_close(&s);
+}
+
 /* A bundle as a daemon stores it: a datagram socketpair whose queue holds
  * one message per fd; its receiving end. letter '?' sends a malformed
  * record (a wrong magic), fd -1 a record without an fd. */
