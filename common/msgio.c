@@ -12,26 +12,28 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-ssize_t msgio_send(int sock, const void *buf, size_t len, int fd)
+ssize_t msgio_send_fds(int sock, const void *buf, size_t len, const int *fds, size_t nfds)
 {
+	/* SCM_MAX_FD: the most one datagram carries. */
+	enum { MAX_FDS = 253 };
 	struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
 	union {
-		char buf[CMSG_SPACE(sizeof(int))];
+		char buf[CMSG_SPACE(MAX_FDS * sizeof(int))];
 		struct cmsghdr align;
 	} ctl;
 	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
 
-	if (fd >= 0) {
-		if (len == 0)
+	if (nfds > 0) {
+		if (len == 0 || nfds > MAX_FDS)
 			return -EINVAL;
-		memset(&ctl, 0, sizeof(ctl));
+		memset(&ctl, 0, CMSG_SPACE(nfds * sizeof(int)));
 		msg.msg_control = ctl.buf;
-		msg.msg_controllen = sizeof(ctl.buf);
+		msg.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
 		struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
 		c->cmsg_level = SOL_SOCKET;
 		c->cmsg_type = SCM_RIGHTS;
-		c->cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(c), &fd, sizeof(int));
+		c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+		memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
 	}
 	for (;;) {
 		ssize_t n = sendmsg(sock, &msg, MSG_NOSIGNAL);
@@ -42,26 +44,36 @@ ssize_t msgio_send(int sock, const void *buf, size_t len, int fd)
 	}
 }
 
+ssize_t msgio_send(int sock, const void *buf, size_t len, int fd)
+{
+	return msgio_send_fds(sock, buf, len, &fd, fd >= 0 ? 1 : 0);
+}
+
+size_t msgio_fds(struct msghdr *msg, int *fds, size_t max)
+{
+	size_t n = 0;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
+		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+			continue;
+		size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		for (size_t i = 0; i < k; i++, n++) {
+			int fd;
+			memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+			if (n < max)
+				fds[n] = fd;
+			else
+				close(fd);
+		}
+	}
+	return n;
+}
+
 /* Take the fds attached to msg: the first into *fd_out, the rest closed
  * (and *truncated set). */
 static void take_fds(struct msghdr *msg, int *fd_out, int *truncated)
 {
-	for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
-		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-			continue;
-		size_t nfds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-		for (size_t i = 0; i < nfds; i++) {
-			int fd;
-			memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-			if (*fd_out < 0) {
-				*fd_out = fd;
-			} else {
-				close(fd);
-				*truncated = 1;
-			}
-		}
-	}
-	if (msg->msg_flags & (MSG_TRUNC | MSG_CTRUNC))
+	size_t n = msgio_fds(msg, fd_out, 1);
+	if (n > 1 || (msg->msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
 		*truncated = 1;
 }
 

@@ -2,7 +2,8 @@
 /*
  * Message I/O on SOCK_SEQPACKET sockets: one datagram per call, with at
  * most one file descriptor attached through SCM_RIGHTS. Both the daemon and
- * the client library move every byte through here.
+ * the client library move every byte through here. (msgio_send_fds and
+ * msgio_fds: several fds in one datagram, for the fd store's bundles.)
  */
 #ifndef BB_MSGIO_H
 #define BB_MSGIO_H
@@ -14,6 +15,16 @@
  * loses its fd) with fd attached unless fd < 0. Never raises SIGPIPE.
  * Returns len, or -errno (-EAGAIN on a full non-blocking socket). */
 ssize_t msgio_send(int sock, const void *buf, size_t len, int fd);
+
+/* The same with nfds fds attached, in order (nfds at most SCM_MAX_FD, 253;
+ * len > 0 when nfds > 0). */
+ssize_t msgio_send_fds(int sock, const void *buf, size_t len, const int *fds, size_t nfds);
+
+/* The fds attached to a received msg, in order: the first max into fds,
+ * the rest closed. Returns how many were attached (more than max: some
+ * were closed). */
+struct msghdr;
+size_t msgio_fds(struct msghdr *msg, int *fds, size_t max);
 
 /* Receive one datagram into buf (cap bytes). Returns its length (0 for an
  * empty datagram or end of stream), or -errno. *fd_out gets an attached fd

@@ -706,6 +706,21 @@ static pool *pool_get(cuda_backend *cu, int device, uint32_t uid, int share, int
 	return p;
 }
 
+/* x (its off and len set) takes the front of free extent e of s: it goes
+ * before e by address, and e keeps the rest (or goes, when nothing is
+ * left). */
+static void take_front(slab *s, extent *e, extent *x)
+{
+	DL_PREPEND_ELEM2(s->extents, e, x, aprev, anext);
+	e->off += x->len;
+	e->len -= x->len;
+	if (e->len == 0) {
+		DL_DELETE2(s->extents, e, aprev, anext);
+		DL_DELETE(s->free, e);
+		free(e);
+	}
+}
+
 /* Carve len bytes out of p into x (first fit over each slab's free
  * extents, oldest slab first); a dedicated request takes an unclaimed
  * allocation of exactly len. x becomes a live extent on the slab's address
@@ -723,19 +738,11 @@ static slab *carve(pool *p, uint64_t len, bool dedicated, extent *x)
 		}
 		if (!e)
 			continue;
-		/* x takes the front of e: it goes before e by address. */
 		x->slab = s;
 		x->off = e->off;
 		x->len = len;
 		x->prev = x->next = NULL;
-		DL_PREPEND_ELEM2(s->extents, e, x, aprev, anext);
-		e->off += len;
-		e->len -= len;
-		if (e->len == 0) {
-			DL_DELETE2(s->extents, e, aprev, anext);
-			DL_DELETE(s->free, e);
-			free(e);
-		}
+		take_front(s, e, x);
 		cache_remove(p->dev, s);
 		s->live++;
 		return s;
@@ -1000,14 +1007,7 @@ static bool carve_at(slab *s, uint64_t off, uint64_t len, extent *x, bool *nomem
 		e->len = off - e->off; /* the head stays free */
 		DL_APPEND_ELEM2(s->extents, e, x, aprev, anext);
 	} else {
-		DL_PREPEND_ELEM2(s->extents, e, x, aprev, anext);
-		e->off += len;
-		e->len -= len;
-		if (e->len == 0) {
-			DL_DELETE2(s->extents, e, aprev, anext);
-			DL_DELETE(s->free, e);
-			free(e);
-		}
+		take_front(s, e, x);
 	}
 	cache_remove(s->pool->dev, s);
 	s->live++;

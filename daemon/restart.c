@@ -397,38 +397,19 @@ static void bundle_dirty(restart *r, bundle *b)
 }
 
 /* One message of n records with their fds, in order (n <= BUNDLE_MAX).
- * The bytes sent, or -errno. */
+ * The bytes sent, or -errno (the sending end is non-blocking). */
 static ssize_t bundle_send(int tx, kept *const *ks, size_t n)
 {
 	bundle_rec recs[BUNDLE_MAX];
-	union {
-		char buf[CMSG_SPACE(BUNDLE_MAX * sizeof(int))];
-		struct cmsghdr align;
-	} ctl;
-	memset(&ctl, 0, sizeof(ctl));
-	struct iovec iov = {.iov_base = recs, .iov_len = n * sizeof(recs[0])};
-	struct msghdr m = {.msg_iov = &iov,
-			   .msg_iovlen = 1,
-			   .msg_control = ctl.buf,
-			   .msg_controllen = CMSG_SPACE(n * sizeof(int))};
-	struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-	c->cmsg_level = SOL_SOCKET;
-	c->cmsg_type = SCM_RIGHTS;
-	c->cmsg_len = CMSG_LEN(n * sizeof(int));
+	int fds[BUNDLE_MAX];
 	for (size_t i = 0; i < n; i++) {
 		recs[i] = (bundle_rec){.magic = {'b', 'k'},
 				       .version = BUNDLE_REC_VERSION,
 				       .letter = (uint8_t)ks[i]->letter,
 				       .id = ks[i]->id};
-		memcpy(CMSG_DATA(c) + i * sizeof(int), &ks[i]->fd, sizeof(int));
+		fds[i] = ks[i]->fd;
 	}
-	for (;;) {
-		ssize_t got = sendmsg(tx, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-		if (got >= 0)
-			return got;
-		if (errno != EINTR)
-			return -errno;
-	}
+	return msgio_send_fds(tx, recs, n * sizeof(recs[0]), fds, n);
 }
 
 /* Send the fds of ks[0..n) to the open bundle `which` (one made when there
@@ -862,26 +843,13 @@ static void bundle_take(restart *r, uint64_t n, int fd)
 			break;
 		}
 		int fds[BUNDLE_MAX];
-		size_t nfds = 0;
-		for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
-			if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-				continue;
-			size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-			for (size_t i = 0; i < k; i++) {
-				int x;
-				memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-				if (nfds < BUNDLE_MAX)
-					fds[nfds++] = x;
-				else
-					close(x);
-			}
-		}
+		size_t nfds = msgio_fds(&m, fds, BUNDLE_MAX);
 		/* A message: 1 to BUNDLE_MAX records, as many fds, in order. */
 		size_t nrec = (size_t)got / sizeof(bundle_rec);
 		bool whole = got > 0 && (size_t)got % sizeof(bundle_rec) == 0 && nfds == nrec &&
 			     !(m.msg_flags & (MSG_TRUNC | MSG_CTRUNC));
 		b->entries += nrec ? (uint32_t)nrec : 1;
-		for (size_t i = 0; i < nfds; i++) {
+		for (size_t i = 0; i < nfds; i++) { /* at most BUNDLE_MAX: ctl's room */
 			const bundle_rec *rec = &recs[i];
 			bool ok = whole && rec->magic[0] == 'b' && rec->magic[1] == 'k' &&
 				  rec->version == BUNDLE_REC_VERSION && !rec->zero && rec->id &&
@@ -1013,6 +981,24 @@ int restart_new(restart **out, const restart_config *cfg, char *why, size_t len)
 	return 0;
 }
 
+/* What a backend's adopt of passed fd p said (rc, msg): the fd is the
+ * backend's now (0); or it is not the buffer's memory (BB_ERR_INVALID:
+ * the buffer is FAILED, the restore goes on); or the restore fails. */
+static int adopted(restart *r, kept *p, int rc, const char *msg, char *err, size_t len)
+{
+	if (rc == BB_ERR_INVALID) {
+		snprintf(err, len, "%s (%s)", RESTART_MISSING_WHY, msg);
+		r->stats.failed_missing++;
+		return BROKER_RESTORE_LOST;
+	}
+	if (rc) {
+		snprintf(err, len, "%s", msg);
+		return rc;
+	}
+	p->fd = -1; /* the backend's now (or, a VMM allocation's second buffer, already) */
+	return 0;
+}
+
 /* The memory of a restored VMM CUDA buffer: its allocation's kept fd
  * (a<id>) imported by the backend at the first buffer of it, the buffer's
  * range marked in it. */
@@ -1036,17 +1022,7 @@ static int restore_carved(restart *r, backend *be, const journal_buffer *rec, ba
 	};
 	char msg[200] = "";
 	int rc = be->adopt_carved(be, p->fd, &c, out, msg, sizeof(msg));
-	if (rc == BB_ERR_INVALID) {
-		snprintf(err, len, "%s (%s)", RESTART_MISSING_WHY, msg);
-		r->stats.failed_missing++;
-		return BROKER_RESTORE_LOST;
-	}
-	if (rc) {
-		snprintf(err, len, "%s", msg);
-		return rc;
-	}
-	p->fd = -1; /* the backend's now (or already) */
-	return 0;
+	return adopted(r, p, rc, msg, err, len);
 }
 
 /* The memory of a restored buffer: its kept fd adopted by the backend. */
@@ -1073,17 +1049,7 @@ static int restore_mem(void *ctx, backend *be, const journal_buffer *rec, backen
 			   rec->flags & (JOURNAL_BUF_IMPORTED | JOURNAL_BUF_EXPOSED), out, msg,
 			   sizeof(msg));
 	r->adopt_us += mono_us() - t;
-	if (rc == BB_ERR_INVALID) {
-		snprintf(err, len, "%s (%s)", RESTART_MISSING_WHY, msg);
-		r->stats.failed_missing++;
-		return BROKER_RESTORE_LOST;
-	}
-	if (rc) {
-		snprintf(err, len, "%s", msg);
-		return rc;
-	}
-	p->fd = -1; /* the backend's now */
-	return 0;
+	return adopted(r, p, rc, msg, err, len);
 }
 
 /* Close every passed fd of table that is not in use (an fd passed by its

@@ -1027,7 +1027,7 @@ int64_t bbt_refs_until(bb_client *c, uint64_t id, uint64_t want, int timeout_ms)
 
 /* ServerStatus: 0 with *resp its answer (free with bbc_response_free), or
  * the bbc_call / Status error. */
-static int server_status(bb_client *c, Bufbroker__Response **out)
+int bbt_server_status(bb_client *c, Bufbroker__Response **out)
 {
 	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
 	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
@@ -1056,7 +1056,7 @@ int bbt_server_totals(bb_client *c, bbt_totals *out)
 	Bufbroker__Response *resp = NULL;
 
 	memset(out, 0, sizeof(*out));
-	int rc = server_status(c, &resp);
+	int rc = bbt_server_status(c, &resp);
 	if (rc != 0)
 		return rc;
 	const Bufbroker__ServerStatusReply *s = resp->server_status;
@@ -1079,7 +1079,7 @@ int bbt_server_restart(bb_client *c, bbt_restart_info *out)
 	Bufbroker__Response *resp = NULL;
 
 	memset(out, 0, sizeof(*out));
-	int rc = server_status(c, &resp);
+	int rc = bbt_server_status(c, &resp);
 	if (rc != 0)
 		return rc;
 	const Bufbroker__ServerStatusReply *s = resp->server_status;

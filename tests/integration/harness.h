@@ -240,6 +240,9 @@ typedef struct bbt_restart_info {
 } bbt_restart_info;
 /* 0 or the bbc_call / Status error. */
 int bbt_server_restart(bb_client *c, bbt_restart_info *out);
+/* ServerStatus on c: 0 with *out its answer, a ServerStatusReply (free
+ * with bbc_response_free), or the call's or the Status's error code. */
+int bbt_server_status(bb_client *c, Bufbroker__Response **out);
 /* The daemon's invariant check (the Check request): the number of
  * problems it found, each of its sentences printed to stderr after
  * "check: ", or the negative bbc_call / Status error. */

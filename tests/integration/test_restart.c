@@ -407,31 +407,12 @@ static void stat_ok(bb_client *c, uint64_t id, bb_info *out)
 }
 
 /* ServerStatus's restart fields (protocol 1.3). */
-typedef struct restart_status {
-	uint64_t restarts, restored_buffers, journal_bytes, unprotected_buffers;
-	uint32_t absent_sessions;
-	bool restart_protected;
-} restart_status;
+typedef bbt_restart_info restart_status;
 
 static restart_status status_of(bb_client *c)
 {
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
-	Bufbroker__Response *resp = NULL;
-	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
-	req.server_status = &ss;
-	cr_assert_eq(bbc_call(c, &req, -1, &resp, NULL), 0);
-	cr_assert(resp->status && resp->status->code == 0 && resp->server_status);
-	const Bufbroker__ServerStatusReply *r = resp->server_status;
-	restart_status out = {
-		.restarts = r->restarts,
-		.restored_buffers = r->restored_buffers,
-		.journal_bytes = r->journal_bytes,
-		.unprotected_buffers = r->unprotected_buffers,
-		.absent_sessions = r->absent_sessions,
-		.restart_protected = r->restart_protected,
-	};
-	bbc_response_free(resp);
+	restart_status out;
+	cr_assert_eq(bbt_server_restart(c, &out), 0);
 	return out;
 }
 
@@ -872,13 +853,8 @@ Test(restart, the_store_holds_no_more_names_than_listen_fdnames_can_pass)
 /* Device 0's books as the daemon reports them. */
 static void device0_of(bb_client *c, uint64_t *reserved, uint64_t *allocations)
 {
-	Bufbroker__Request req = BUFBROKER__REQUEST__INIT;
-	Bufbroker__ServerStatus ss = BUFBROKER__SERVER_STATUS__INIT;
 	Bufbroker__Response *resp = NULL;
-	req.op_case = BUFBROKER__REQUEST__OP_SERVER_STATUS;
-	req.server_status = &ss;
-	cr_assert_eq(bbc_call(c, &req, -1, &resp, NULL), 0);
-	cr_assert(resp->status && resp->status->code == 0 && resp->server_status);
+	cr_assert_eq(bbt_server_status(c, &resp), 0);
 	cr_assert_geq(resp->server_status->n_devices, 1);
 	*reserved = resp->server_status->devices[0]->reserved_bytes;
 	*allocations = resp->server_status->devices[0]->vmm_allocations;

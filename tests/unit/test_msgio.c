@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "msgio.h"
@@ -221,4 +222,42 @@ Test(msgio, the_end_of_the_stream_reads_as_empty_slots_for_one_slot_and_for_seve
 		}
 		close(sv[1]);
 	}
+}
+
+/* Several fds in one datagram (the fd store's bundles): sent in order,
+ * taken in order; past the caller's room they are counted and closed. */
+Test(msgio, several_fds_travel_in_one_datagram_in_order)
+{
+	int sv[2];
+	pair(sv);
+	int fds[3] = {new_memfd(), new_memfd(), new_memfd()};
+	struct stat want[3];
+	for (int i = 0; i < 3; i++)
+		cr_assert_eq(fstat(fds[i], &want[i]), 0);
+	cr_assert_eq(msgio_send_fds(sv[0], "abc", 3, fds, 3), 3);
+	cr_assert_eq(msgio_send_fds(sv[0], "", 0, fds, 1), -EINVAL,
+		     "a 0-byte datagram loses its fds");
+	char buf[8];
+	union {
+		char b[CMSG_SPACE(3 * sizeof(int))];
+		struct cmsghdr align;
+	} ctl;
+	struct iovec iov = {.iov_base = buf, .iov_len = sizeof(buf)};
+	struct msghdr m = {.msg_iov = &iov,
+			   .msg_iovlen = 1,
+			   .msg_control = ctl.b,
+			   .msg_controllen = sizeof(ctl.b)};
+	cr_assert_eq(recvmsg(sv[1], &m, MSG_CMSG_CLOEXEC), 3);
+	int got[2] = {-1, -1};
+	cr_assert_eq(msgio_fds(&m, got, 2), 3, "three attached");
+	for (int i = 0; i < 2; i++) {
+		struct stat st;
+		cr_assert_eq(fstat(got[i], &st), 0);
+		cr_assert_eq(st.st_ino, want[i].st_ino, "fd %d is another file", i);
+		close(got[i]);
+	}
+	for (int i = 0; i < 3; i++)
+		close(fds[i]);
+	close(sv[0]);
+	close(sv[1]);
 }

@@ -133,6 +133,20 @@ static void restart_skip(const char *why)
 }
 
 /* Ask c's daemon to re-execute itself: 0 once it answered yes. */
+/* The new process's first answer r, t0 ns after the upgrade or the kill:
+ * the time to it (at least 1), the buffers it restored; err says so when
+ * the wrong process answered (the same pid after a kill, another after an
+ * upgrade, which keeps its pid). */
+static uint64_t first_answer(const Bufbroker__Response *r, uint64_t t0, uint32_t pid, bool crash,
+			     uint64_t *restored, char *err, size_t len)
+{
+	uint64_t ns = bench_now_ns() - t0;
+	*restored = r->server_status->restored_buffers;
+	if ((r->server_status->pid != pid) != crash)
+		snprintf(err, len, "%s pid answered", crash ? "the killed" : "another");
+	return ns ? ns : 1;
+}
+
 static int upgrade(bb_client *c, char *err, size_t len)
 {
 	Bufbroker__Upgrade op = BUFBROKER__UPGRADE__INIT;
@@ -249,13 +263,8 @@ void scenario_restart(const bench_opts *o)
 	 * new connection is asked. */
 	uint64_t resumes = bb_client_resumes(c);
 	while (server_status(c, &r) == 0) {
-		if (bb_client_resumes(c) > resumes) {
-			ready_ns = bench_now_ns() - t0;
-			restored = r->server_status->restored_buffers;
-			if ((r->server_status->pid != pid) != crash)
-				snprintf(err, sizeof(err), "%s pid answered",
-					 crash ? "the killed" : "another");
-		}
+		if (bb_client_resumes(c) > resumes)
+			ready_ns = first_answer(r, t0, pid, crash, &restored, err, sizeof(err));
 		bbc_response_free(r);
 		if (ready_ns)
 			break;
@@ -269,11 +278,7 @@ void scenario_restart(const bench_opts *o)
 	while (!ready_ns) {
 		bb_client *n = NULL;
 		if (bb_connect(path, &n) == 0 && server_status(n, &r) == 0) {
-			ready_ns = bench_now_ns() - t0;
-			restored = r->server_status->restored_buffers;
-			if ((r->server_status->pid != pid) != crash)
-				snprintf(err, sizeof(err), "%s pid answered",
-					 crash ? "the killed" : "another");
+			ready_ns = first_answer(r, t0, pid, crash, &restored, err, sizeof(err));
 			bbc_response_free(r);
 		}
 		bb_disconnect(n);
